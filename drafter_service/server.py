@@ -1,0 +1,130 @@
+"""gRPC drafter: proposes draft tokens with their exact draft distributions, one session per stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+from specdec.drafters import Drafter, DraftSession, ModelDrafter, NgramDrafter
+from specdec.models import LoadedModel, load_model
+from specdec.rpc import convert
+from specdec.rpc.server import NotReady, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
+from specdec.rpc.sessions import ServiceMetrics, SessionRegistry
+from specdec.sampling import SamplingParams
+from specdec.v1 import drafter_pb2, drafter_pb2_grpc, types_pb2
+
+log = logging.getLogger("specdec.drafter")
+SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+
+
+class DrafterService(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self, runtime: ServiceRuntime, max_sessions: int = 64, max_draft_tokens: int = 32) -> None:
+        self.runtime = runtime
+        self.drafter: Drafter | None = None
+        self.lm: LoadedModel | None = None
+        self.max_draft_tokens = max_draft_tokens
+        self.metrics = ServiceMetrics(runtime.registry, "drafter")
+        self.sessions = SessionRegistry(max_sessions, self.metrics)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-model")
+
+    async def load(self, method: str, draft_model: str | None, device: str | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        if method == "model":
+            if not draft_model:
+                raise SystemExit("--draft-model is required for --method model")
+            self.lm = await loop.run_in_executor(self.executor, lambda: load_model(draft_model, device=device))
+            self.drafter = ModelDrafter(self.lm)
+        elif method == "ngram":
+            if draft_model:  # the tokenizer identifies the vocabulary for the gateway's pairing check
+                self.lm = await loop.run_in_executor(self.executor, lambda: load_model(draft_model, device="cpu"))
+            self.drafter = NgramDrafter()
+        else:
+            raise SystemExit(f"unknown draft method {method!r}")
+        await loop.run_in_executor(self.executor, self._warm_up)
+        await self.runtime.set_serving(True)
+        log.info("drafter serving method=%s model=%s", method, draft_model)
+
+    def _warm_up(self) -> None:
+        session = self.drafter.start([0, 1, 2, 3], SamplingParams(max_new_tokens=4))
+        session.propose(3)
+        session.close()
+
+    def _require_drafter(self) -> Drafter:
+        if self.drafter is None:
+            raise NotReady("drafter is still loading")
+        return self.drafter
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    @map_errors
+    async def Draft(self, request_iterator, context):
+        drafter = self._require_drafter()
+        key = None
+        session: DraftSession | None = None
+        try:
+            async for request in request_iterator:
+                kind = request.WhichOneof("kind")
+                if kind == "start":
+                    if session is not None:
+                        raise ValueError("start: a stream carries exactly one session")
+                    start = request.start
+                    prompt = [int(t) for t in start.prompt_token_ids]
+                    if self.lm is not None:
+                        self.lm.validate_prompt(prompt)
+                    elif not prompt:
+                        raise ValueError("prompt_token_ids must not be empty")
+                    params = convert.sampling_from_pb(start.sampling, draft_top_k=start.draft_top_k)
+                    session = drafter.start(prompt, params)
+                    key = self.sessions.open(start.session_id, session)
+                    await self._run(session.prefill)
+                    yield drafter_pb2.DraftResponse(started=drafter_pb2.DraftStarted(session_id=key))
+                elif kind == "propose":
+                    if session is None:
+                        raise ValueError("propose: send start first")
+                    propose = request.propose
+                    k = propose.num_draft_tokens
+                    if k > self.max_draft_tokens:
+                        raise ValueError(
+                            f"num_draft_tokens: {k} exceeds this drafter's limit ({self.max_draft_tokens})"
+                        )
+                    committed = [int(t) for t in propose.committed_token_ids]
+                    if self.lm is not None and any(t >= self.lm.vocab_size for t in committed):
+                        raise ValueError("committed_token_ids: ids must be below the vocabulary size")
+                    proposal = await self._run(self._propose, session, committed, k)
+                    self.metrics.tokens.inc(len(proposal))
+                    yield drafter_pb2.DraftResponse(
+                        proposal=drafter_pb2.DraftProposal(round=propose.round, **convert.proposal_fields(proposal))
+                    )
+                else:
+                    raise ValueError("kind: set start or propose")
+        finally:
+            if key is not None:
+                self.sessions.close(key)
+
+    @staticmethod
+    def _propose(session: DraftSession, committed: list[int], k: int):
+        session.extend(committed)
+        return session.propose(k)
+
+    @map_unary_errors
+    async def GetInfo(self, request, context):
+        drafter = self._require_drafter()
+        return drafter_pb2.GetDrafterInfoResponse(
+            method=drafter.name,
+            model=convert.model_info_pb(self.lm) if self.lm is not None else types_pb2.ModelInfo(),
+            load=types_pb2.LoadReport(active_sessions=len(self.sessions), max_sessions=self.sessions.max_sessions),
+        )
+
+
+async def serve(method: str, draft_model: str | None, options: ServeOptions, max_sessions: int = 64,
+                device: str | None = None) -> None:
+    runtime = ServiceRuntime(SERVICE_NAME, options)
+    service = DrafterService(runtime, max_sessions=max_sessions)
+    drafter_pb2_grpc.add_DrafterServicer_to_server(service, runtime.server)
+    port = await runtime.start()
+    runtime.install_signal_handlers()
+    print(f"specdec drafter listening on {options.host}:{port}", flush=True)
+    await service.load(method, draft_model, device=device)
+    await runtime.wait_and_drain()

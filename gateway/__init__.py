@@ -1,0 +1,1 @@
+"""The gateway: the public Generate API, running the speculative loop over drafter and verifier streams."""

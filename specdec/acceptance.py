@@ -1,0 +1,110 @@
+"""Acceptance math for speculative decoding (Leviathan et al. 2023; Chen et al. 2023).
+
+Vocabulary: the drafter proposes **draft tokens** x_1..x_k sampled from the draft distributions
+q_1..q_k; the target's verification pass gives p_1..p_{k+1}. A prefix of the drafts is
+**accepted**; at the first rejection a **recovered** token is resampled from the residual
+norm(max(0, p_i - q_i)) and the remaining drafts are discarded; when every draft is accepted a
+**bonus** token is sampled from p_{k+1}.
+
+Invariant: every emitted token is distributed exactly as the target's own sample at that
+position, P(x) = min(p, q)(x) + (1 - sum min(p, q)) * residual(x) = p(x). Under greedy decoding
+the emitted tokens equal the target's argmax tokens.
+
+This module is pure: torch tensors in, tokens out, no I/O and no model code. Probabilities are fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.sampling import SparseDistribution
+
+
+@dataclass(frozen=True)
+class AcceptanceResult:
+    """Outcome of verifying one block of drafts.
+
+    ``tokens`` = the accepted draft tokens followed by exactly one more token: the recovered
+    token if a draft was rejected, else the bonus token. So ``len(tokens) == num_accepted + 1``.
+    """
+
+    num_accepted: int
+    num_drafts: int
+    tokens: list[int]
+
+    @property
+    def all_accepted(self) -> bool:
+        return self.num_accepted == self.num_drafts
+
+    @property
+    def next_token(self) -> int:
+        """The recovered or bonus token."""
+        return self.tokens[-1]
+
+
+def accept_greedy(target_argmax: Sequence[int], draft_tokens: Sequence[int]) -> AcceptanceResult:
+    """Greedy verification: accept while the draft equals the target's argmax.
+
+    ``target_argmax`` has ``len(draft_tokens) + 1`` entries: the target's choice after the
+    committed prefix and after each draft. The first mismatch emits the target's argmax there
+    (recovered); with no mismatch the last entry is the bonus token.
+    """
+    if len(target_argmax) != len(draft_tokens) + 1:
+        raise ValueError("target_argmax needs one entry per draft token plus one")
+    accepted = 0
+    for draft, target in zip(draft_tokens, target_argmax):
+        if draft != target:
+            break
+        accepted += 1
+    tokens = [int(t) for t in draft_tokens[:accepted]] + [int(target_argmax[accepted])]
+    return AcceptanceResult(accepted, len(draft_tokens), tokens)
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) in fp32.
+
+    When p == q (or p <= q everywhere by rounding) the residual has no mass; rejection then has
+    probability 0 in exact arithmetic, and we fall back to p rather than divide by zero.
+    """
+    residual = torch.clamp(p.float() - q.float(), min=0.0)
+    total = residual.sum()
+    if not torch.isfinite(total) or total <= 0:
+        return p.float() / p.float().sum()
+    return residual / total
+
+
+def accept_speculative(
+    target_probs: torch.Tensor,
+    draft_tokens: Sequence[int],
+    draft_probs: Sequence[SparseDistribution],
+    generators: Sequence[torch.Generator],
+) -> AcceptanceResult:
+    """Speculative sampling over one block.
+
+    ``target_probs``: [k+1, V] fp32, the request's final target distributions (temperature,
+    top-k, top-p applied) after the prefix and after each draft. ``draft_probs[i]`` is exactly the
+    distribution x_i was drawn from (a sparse support; ids outside it have q = 0).
+    ``generators[i]`` supplies the randomness at block position i (k+1 of them).
+
+    Draft i is accepted iff u < p_i(x_i) / q_i(x_i) with u ~ U[0, 1): strict, so u = 0 never
+    accepts a token the target forbids, and q_i(x_i) <= 0 always rejects.
+    """
+    k = len(draft_tokens)
+    if target_probs.shape[0] != k + 1 or len(draft_probs) != k or len(generators) != k + 1:
+        raise ValueError("need k+1 target rows and generators and k draft distributions")
+    vocab_size = target_probs.shape[-1]
+    p = target_probs.float()
+    for i, token in enumerate(draft_tokens):
+        u = float(torch.rand((), generator=generators[i]))
+        q_token = draft_probs[i].prob_of(token)
+        p_token = float(p[i, token]) if 0 <= token < vocab_size else 0.0
+        if q_token > 0.0 and u * q_token < p_token:  # u < p/q without dividing
+            continue
+        residual = residual_distribution(p[i], draft_probs[i].to_dense(vocab_size))
+        recovered = int(torch.multinomial(residual, 1, generator=generators[i]))
+        return AcceptanceResult(i, k, [int(t) for t in draft_tokens[:i]] + [recovered])
+    bonus = int(torch.multinomial(p[k], 1, generator=generators[k]))
+    return AcceptanceResult(k, k, [int(t) for t in draft_tokens] + [bonus])

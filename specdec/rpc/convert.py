@@ -1,0 +1,125 @@
+"""Protobuf <-> core type translation (the only place that builds ``specdec.v1`` messages from core types)."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.completion import FINISH_LENGTH, FINISH_STOP
+from specdec.engine import GenerationStats
+from specdec.models import LoadedModel, tokenizer_fingerprint
+from specdec.sampling import DEFAULT_DRAFT_TOP_K, DraftProposal, SamplingParams, SparseDistribution
+from specdec.v1 import gateway_pb2, types_pb2
+from specdec.verification import Verdict
+
+FINISH_REASON_TO_PB = {
+    FINISH_STOP: gateway_pb2.FINISH_REASON_STOP,
+    FINISH_LENGTH: gateway_pb2.FINISH_REASON_LENGTH,
+}
+FINISH_REASON_FROM_PB = {v: k for k, v in FINISH_REASON_TO_PB.items()}
+
+
+def sampling_from_pb(
+    pb: types_pb2.SamplingParams, default_max_new_tokens: int = 128, draft_top_k: int = 0
+) -> SamplingParams:
+    """Build and validate core sampling params; ``ValueError`` names the bad field."""
+    params = SamplingParams(
+        max_new_tokens=pb.max_new_tokens or default_max_new_tokens,
+        temperature=float(pb.temperature),
+        top_p=float(pb.top_p) if pb.HasField("top_p") else 1.0,
+        top_k=int(pb.top_k),
+        seed=int(pb.seed) if pb.HasField("seed") else None,
+        stop=tuple(pb.stop),
+        stop_token_ids=tuple(int(t) for t in pb.stop_token_ids),
+        ignore_eos=bool(pb.ignore_eos),
+        draft_top_k=draft_top_k or DEFAULT_DRAFT_TOP_K,
+    )
+    params.validate()
+    return params
+
+
+def sampling_to_pb(params: SamplingParams) -> types_pb2.SamplingParams:
+    pb = types_pb2.SamplingParams(
+        max_new_tokens=params.max_new_tokens,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        stop=list(params.stop),
+        ignore_eos=params.ignore_eos,
+        stop_token_ids=list(params.stop_token_ids),
+    )
+    if params.top_p != 1.0:
+        pb.top_p = params.top_p
+    if params.seed is not None:
+        pb.seed = params.seed
+    return pb
+
+
+def sparse_to_pb(dist: SparseDistribution) -> types_pb2.SparseDistribution:
+    return types_pb2.SparseDistribution(token_ids=dist.token_ids.tolist(), probs=dist.probs.tolist())
+
+
+def sparse_from_pb(pb: types_pb2.SparseDistribution) -> SparseDistribution:
+    if len(pb.token_ids) != len(pb.probs) or not pb.token_ids:
+        raise ValueError("draft_probs: each distribution needs as many probs as token_ids (>= 1)")
+    probs = torch.tensor(list(pb.probs), dtype=torch.float32)
+    if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()) or float(probs.sum()) <= 0:
+        raise ValueError("draft_probs: probabilities must be finite, >= 0 and not all 0")
+    # float32 on the wire is what the drafter sampled from (it sampled from these exact values).
+    return SparseDistribution(torch.tensor(list(pb.token_ids), dtype=torch.long), probs)
+
+
+def proposal_fields(proposal: DraftProposal) -> dict:
+    """Keyword fields shared by DraftProposal and VerifyBlock messages."""
+    probs = [sparse_to_pb(d) for d in proposal.draft_probs] if proposal.draft_probs is not None else []
+    return {"draft_token_ids": list(proposal.draft_tokens), "draft_probs": probs}
+
+
+def proposal_from_pb(msg) -> DraftProposal:
+    """From a message with ``draft_token_ids`` and ``draft_probs`` (DraftProposal or VerifyBlock)."""
+    tokens = [int(t) for t in msg.draft_token_ids]
+    if not msg.draft_probs:
+        return DraftProposal(tokens, None)
+    if len(msg.draft_probs) != len(tokens):
+        raise ValueError("draft_probs: need one distribution per draft token (or none)")
+    return DraftProposal(tokens, [sparse_from_pb(d) for d in msg.draft_probs])
+
+
+def verdict_fields(verdict: Verdict) -> dict:
+    return {
+        "num_drafts": verdict.num_drafts,
+        "num_accepted": verdict.num_accepted,
+        "token_ids": list(verdict.tokens),
+        "committed_length": verdict.committed_length,
+    }
+
+
+def verdict_from_pb(pb) -> Verdict:
+    return Verdict(
+        num_drafts=pb.num_drafts,
+        num_accepted=pb.num_accepted,
+        tokens=[int(t) for t in pb.token_ids],
+        committed_length=int(pb.committed_length),
+    )
+
+
+def stats_to_pb(stats: GenerationStats) -> gateway_pb2.GenerationStats:
+    d = stats.to_dict()
+    return gateway_pb2.GenerationStats(**{k: d[k] for k in gateway_pb2.GenerationStats.DESCRIPTOR.fields_by_name})
+
+
+def stats_from_pb(pb: gateway_pb2.GenerationStats) -> dict:
+    """The same dict the CLI's ``--json`` prints under ``stats``."""
+    out = {}
+    for name, field in gateway_pb2.GenerationStats.DESCRIPTOR.fields_by_name.items():
+        value = getattr(pb, name)
+        out[name] = list(value) if field.is_repeated else value
+    return out
+
+
+def model_info_pb(lm: LoadedModel) -> types_pb2.ModelInfo:
+    return types_pb2.ModelInfo(
+        model=lm.name,
+        tokenizer_fingerprint=tokenizer_fingerprint(lm.tokenizer),
+        vocab_size=lm.vocab_size,
+        max_positions=lm.max_positions,
+        eos_token_ids=list(lm.eos_token_ids),
+    )

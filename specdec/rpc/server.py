@@ -1,0 +1,172 @@
+"""Serving plumbing shared by the drafter, verifier and gateway.
+
+grpc.aio server with grpc.health.v1 (NOT_SERVING until the model is loaded and warmed),
+reflection, a message-size limit, Prometheus metrics on their own HTTP port, error mapping in
+one place, and a graceful drain on SIGTERM/SIGINT: NOT_SERVING first, then ``server.stop(grace)``
+lets in-flight streams finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+class Overloaded(Exception):
+    """Admission refused: RESOURCE_EXHAUSTED."""
+
+
+class NotReady(Exception):
+    """The model is not loaded yet: UNAVAILABLE."""
+
+
+class SessionNotFound(Exception):
+    """NOT_FOUND."""
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, Overloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, NotReady):
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, SessionNotFound):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, grpc.aio.AioRpcError):  # a downstream failure: pass its code on
+        return exc.code()
+    return grpc.StatusCode.INTERNAL
+
+
+def _error_message(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"downstream: {exc.details()}"
+    return str(exc) or type(exc).__name__
+
+
+def map_errors(handler: Callable) -> Callable:
+    """Map exceptions of a unary-stream or stream-stream async-generator handler to statuses.
+
+    Cancellation is re-raised untouched (cleanup happens in the handlers' ``finally``).
+    """
+
+    @functools.wraps(handler)
+    async def wrapper(self, request, context):
+        try:
+            async for response in handler(self, request, context):
+                yield response
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one place maps every failure to a status
+            code = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("internal error in %s", handler.__name__)
+            await context.abort(code, _error_message(exc))
+
+    return wrapper
+
+
+def map_unary_errors(handler: Callable) -> Callable:
+    @functools.wraps(handler)
+    async def wrapper(self, request, context):
+        try:
+            return await handler(self, request, context)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            code = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("internal error in %s", handler.__name__)
+            await context.abort(code, _error_message(exc))
+
+    return wrapper
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    grace_s: float = 30.0
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+class ServiceRuntime:
+    """One gRPC server with health, reflection and metrics, for one service."""
+
+    def __init__(self, service_name: str, options: ServeOptions) -> None:
+        self.service_name = service_name  # fully qualified, e.g. "specdec.v1.Verifier"
+        self.options = options
+        self.server = grpc.aio.server(options=channel_options(options.max_message_bytes))
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.registry = CollectorRegistry()
+        self.port = 0
+        self.metrics_port: int | None = None
+        self._stopping = asyncio.Event()
+
+    async def start(self, extra_service_names: tuple[str, ...] = ()) -> int:
+        reflection.enable_server_reflection(
+            (self.service_name, *extra_service_names, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            self.server,
+        )
+        self.port = self.server.add_insecure_port(f"{self.options.host}:{self.options.port}")
+        await self.server.start()
+        await self.set_serving(False)
+        if self.options.metrics_port is not None:
+            http_server, _ = start_http_server(self.options.metrics_port, addr=self.options.host, registry=self.registry)
+            self.metrics_port = http_server.server_port
+        return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", self.service_name):
+            await _maybe_await(self.health.set(name, status))
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stopping.set)
+
+    async def wait_and_drain(self) -> None:
+        """Block until SIGTERM/SIGINT (or ``request_stop``), then drain within the grace period."""
+        await self._stopping.wait()
+        await self.drain()
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def drain(self) -> None:
+        log.info("%s draining (grace %.1fs)", self.service_name, self.options.grace_s)
+        await self.set_serving(False)
+        await self.server.stop(self.options.grace_s)
+
+
+async def _maybe_await(value):
+    if asyncio.iscoroutine(value):
+        return await value
+    return value

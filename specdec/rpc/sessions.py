@@ -1,0 +1,61 @@
+"""Per-service session bookkeeping: bounded admission and guaranteed release."""
+
+from __future__ import annotations
+
+import uuid
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from specdec.rpc.server import Overloaded
+
+
+class ServiceMetrics:
+    """The Prometheus series every service exports (names shared across roles)."""
+
+    def __init__(self, registry: CollectorRegistry, role: str) -> None:
+        self.active_sessions = Gauge(
+            "specdec_active_sessions", "Generation sessions holding state on this service", ["role"], registry=registry
+        ).labels(role)
+        self.requests = Counter(
+            "specdec_requests", "Sessions (or gateway requests) started", ["role"], registry=registry
+        ).labels(role)
+        self.rejected = Counter(
+            "specdec_rejected_requests", "Requests refused (bad input or overload)", ["role", "code"], registry=registry
+        )
+        self.tokens = Counter(
+            "specdec_tokens", "Tokens produced: committed on verifier/gateway, drafted on drafter", ["role"], registry=registry
+        ).labels(role)
+        self.draft_tokens = Counter(
+            "specdec_draft_tokens", "Draft tokens verified", ["role"], registry=registry
+        ).labels(role)
+        self.accepted_tokens = Counter(
+            "specdec_accepted_tokens", "Draft tokens accepted", ["role"], registry=registry
+        ).labels(role)
+
+
+class SessionRegistry:
+    """Live sessions of one service, at most ``max_sessions`` at once."""
+
+    def __init__(self, max_sessions: int, metrics: ServiceMetrics) -> None:
+        self.max_sessions = max_sessions
+        self.metrics = metrics
+        self._sessions: dict[str, object] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def open(self, session_id: str, session: object) -> str:
+        """Register a session; returns the key to close it with."""
+        if len(self._sessions) >= self.max_sessions:
+            raise Overloaded(f"session limit reached ({self.max_sessions})")
+        key = session_id if session_id and session_id not in self._sessions else f"{session_id}#{uuid.uuid4().hex[:8]}"
+        self._sessions[key] = session
+        self.metrics.active_sessions.set(len(self._sessions))
+        self.metrics.requests.inc()
+        return key
+
+    def close(self, key: str) -> None:
+        session = self._sessions.pop(key, None)
+        if session is not None and hasattr(session, "close"):
+            session.close()
+        self.metrics.active_sessions.set(len(self._sessions))

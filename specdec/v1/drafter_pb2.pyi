@@ -1,0 +1,76 @@
+from specdec.v1 import types_pb2 as _types_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DraftRequest(_message.Message):
+    __slots__ = ("start", "propose")
+    START_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_FIELD_NUMBER: _ClassVar[int]
+    start: DraftStart
+    propose: DraftPropose
+    def __init__(self, start: _Optional[_Union[DraftStart, _Mapping]] = ..., propose: _Optional[_Union[DraftPropose, _Mapping]] = ...) -> None: ...
+
+class DraftStart(_message.Message):
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "draft_top_k")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _types_pb2.SamplingParams
+    draft_top_k: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., draft_top_k: _Optional[int] = ...) -> None: ...
+
+class DraftPropose(_message.Message):
+    __slots__ = ("round", "committed_token_ids", "num_draft_tokens")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_draft_tokens: int
+    def __init__(self, round: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+
+class DraftResponse(_message.Message):
+    __slots__ = ("started", "proposal")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    started: DraftStarted
+    proposal: DraftProposal
+    def __init__(self, started: _Optional[_Union[DraftStarted, _Mapping]] = ..., proposal: _Optional[_Union[DraftProposal, _Mapping]] = ...) -> None: ...
+
+class DraftStarted(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class DraftProposal(_message.Message):
+    __slots__ = ("round", "draft_token_ids", "draft_probs")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_probs: _containers.RepeatedCompositeFieldContainer[_types_pb2.SparseDistribution]
+    def __init__(self, round: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_types_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
+
+class GetDrafterInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetDrafterInfoResponse(_message.Message):
+    __slots__ = ("method", "model", "load")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    model: _types_pb2.ModelInfo
+    load: _types_pb2.LoadReport
+    def __init__(self, method: _Optional[str] = ..., model: _Optional[_Union[_types_pb2.ModelInfo, _Mapping]] = ..., load: _Optional[_Union[_types_pb2.LoadReport, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,75 @@
+"""The target side of speculative decoding: one verification session per generation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdec.acceptance import AcceptanceResult, accept_greedy, accept_speculative
+from specdec.kv import KVSession
+from specdec.models import LoadedModel
+from specdec.sampling import (
+    STREAM_VERIFY,
+    DraftProposal,
+    SamplingParams,
+    greedy_tokens,
+    position_generators,
+    process_logits,
+)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one verification pass decided.
+
+    ``tokens`` are the newly committed tokens: the accepted drafts then the recovered or bonus
+    token (after prefill: just the first generated token). A drafter rolls back to
+    ``committed_length - len(tokens) + num_accepted`` and appends ``tokens[-1]``.
+    """
+
+    num_drafts: int
+    num_accepted: int
+    tokens: list[int]
+    committed_length: int  # prompt + generated, after this verdict
+
+    @staticmethod
+    def from_acceptance(result: AcceptanceResult, committed_length: int) -> "Verdict":
+        return Verdict(result.num_drafts, result.num_accepted, result.tokens, committed_length)
+
+
+class TargetSession:
+    """The target model's state for one generation: committed tokens plus a KV cache.
+
+    ``prefill()`` yields the first token; each ``verify(proposal)`` runs one forward pass over
+    the pending token and the k drafts and commits ``num_accepted + 1`` tokens.
+    """
+
+    def __init__(self, target: LoadedModel, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        self.target = target
+        self.params = params
+        self.tokens: list[int] = list(prompt_ids)
+        self.kv = KVSession(target)
+
+    def prefill(self) -> Verdict:
+        return self.verify(DraftProposal())
+
+    def verify(self, proposal: DraftProposal) -> Verdict:
+        drafts = [int(t) for t in proposal.draft_tokens]
+        k = len(drafts)
+        logits = self.kv.forward(self.tokens + drafts, num_logits=k + 1)
+        if self.params.greedy:
+            argmax = greedy_tokens(logits, self.target.vocab_size).tolist()
+            result = accept_greedy(argmax, drafts)
+        else:
+            p = process_logits(logits, self.params, self.target.vocab_size)
+            generators = position_generators(
+                self.params.resolved_seed(), len(self.tokens), k + 1, STREAM_VERIFY
+            )
+            q = [proposal.q(i) for i in range(k)]
+            result = accept_speculative(p, drafts, q, generators)
+        self.tokens.extend(result.tokens)
+        return Verdict.from_acceptance(result, len(self.tokens))
+
+    def close(self) -> None:
+        self.kv.close()

@@ -1,0 +1,119 @@
+"""Start specdec services as real subprocesses on loopback and wait until they serve."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def health_status(address: str, service: str = "", timeout: float = 1.0) -> int | None:
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+    except grpc.RpcError:
+        return None
+
+
+@dataclass
+class Service:
+    name: str
+    address: str
+    proc: subprocess.Popen
+    log_path: Path
+    metrics_port: int | None = None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_serving(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
+            if health_status(self.address) == health_pb2.HealthCheckResponse.SERVING:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.name} not SERVING after {timeout}s:\n{self.log()}")
+
+    def stop(self, timeout: float = 40.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_service(role: str, args: list[str], log_dir: Path, name: str | None = None,
+                  metrics: bool = False, env: dict | None = None) -> Service:
+    port = free_port()
+    metrics_port = free_port() if metrics else None
+    name = name or role
+    log_path = log_dir / f"{name}.log"
+    cmd = [sys.executable, "-m", "specdec.cli", "--log-level", "INFO", "serve", role,
+           "--host", "127.0.0.1", "--port", str(port), "--grace", "10", *args]
+    if metrics_port:
+        cmd += ["--metrics-port", str(metrics_port)]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, env=full_env)
+    return Service(name, f"127.0.0.1:{port}", proc, log_path, metrics_port)
+
+
+@dataclass
+class Stack:
+    gateway: Service
+    verifiers: list[Service]
+    drafters: list[Service] = field(default_factory=list)
+
+    @property
+    def all(self) -> list[Service]:
+        return [self.gateway, *self.verifiers, *self.drafters]
+
+    def stop(self) -> None:
+        for service in self.all:
+            service.stop()
+
+
+def start_stack(target: Path | str, draft: Path | str | None, log_dir: Path, *, verifiers: int = 1,
+                gateway_args: list[str] = (), verifier_args: list[str] = (), metrics: bool = False) -> Stack:
+    """A verifier (or several), a model drafter (if ``draft``) and a gateway over them."""
+    vs = [start_service("verifier", ["--target", str(target), *verifier_args], log_dir, name=f"verifier{i}", metrics=metrics)
+          for i in range(verifiers)]
+    ds = []
+    if draft is not None:
+        ds.append(start_service("drafter", ["--method", "model", "--draft-model", str(draft)], log_dir, metrics=metrics))
+    gw_args = ["--target", str(target), *gateway_args]
+    for v in vs:
+        gw_args += ["--verifier", v.address]
+    for d in ds:
+        gw_args += ["--drafter", d.address]
+    gw = start_service("gateway", gw_args, log_dir, metrics=metrics)
+    stack = Stack(gw, vs, ds)
+    try:
+        for service in stack.all:
+            service.wait_serving()
+    except Exception:
+        stack.stop()
+        raise
+    return stack

@@ -1,0 +1,119 @@
+"""gRPC verifier: prefill and verify drafts against the target model, one session per stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+from specdec.models import LoadedModel, load_model
+from specdec.rpc import convert
+from specdec.rpc.server import NotReady, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
+from specdec.rpc.sessions import ServiceMetrics, SessionRegistry
+from specdec.sampling import DraftProposal
+from specdec.v1 import types_pb2, verifier_pb2, verifier_pb2_grpc
+from specdec.verification import TargetSession
+
+log = logging.getLogger("specdec.verifier")
+SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+
+
+class VerifierService(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, runtime: ServiceRuntime, max_sessions: int = 64, max_draft_tokens: int = 32) -> None:
+        self.runtime = runtime
+        self.lm: LoadedModel | None = None
+        self.max_draft_tokens = max_draft_tokens
+        self.metrics = ServiceMetrics(runtime.registry, "verifier")
+        self.sessions = SessionRegistry(max_sessions, self.metrics)
+        # One model worker: forward passes run off the event loop, one at a time.
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-model")
+
+    async def load(self, target: str, device: str | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        self.lm = await loop.run_in_executor(self.executor, lambda: load_model(target, device=device))
+        await loop.run_in_executor(self.executor, self._warm_up)
+        await self.runtime.set_serving(True)
+        log.info("verifier serving %s", target)
+
+    def _warm_up(self) -> None:
+        from specdec.sampling import SamplingParams
+
+        session = TargetSession(self.lm, [0, 1, 2, 3], SamplingParams(max_new_tokens=4))
+        session.prefill()
+        session.verify(DraftProposal([1, 2, 3]))
+        session.close()
+
+    def _require_model(self) -> LoadedModel:
+        if self.lm is None:
+            raise NotReady("verifier model is still loading")
+        return self.lm
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    @map_errors
+    async def Verify(self, request_iterator, context):
+        lm = self._require_model()
+        key = None
+        session: TargetSession | None = None
+        try:
+            async for request in request_iterator:
+                kind = request.WhichOneof("kind")
+                if kind == "start":
+                    if session is not None:
+                        raise ValueError("start: a stream carries exactly one session")
+                    start = request.start
+                    prompt = [int(t) for t in start.prompt_token_ids]
+                    lm.validate_prompt(prompt)
+                    params = convert.sampling_from_pb(start.sampling)
+                    session = TargetSession(lm, prompt, params)
+                    key = self.sessions.open(start.session_id, session)
+                    verdict = await self._run(session.prefill)
+                    self.metrics.tokens.inc(len(verdict.tokens))
+                    yield verifier_pb2.VerifyResponse(round=0, **convert.verdict_fields(verdict))
+                elif kind == "block":
+                    if session is None:
+                        raise ValueError("block: send start first")
+                    proposal = convert.proposal_from_pb(request.block)
+                    self._validate_block(proposal, session, lm)
+                    verdict = await self._run(session.verify, proposal)
+                    self.metrics.tokens.inc(len(verdict.tokens))
+                    self.metrics.draft_tokens.inc(verdict.num_drafts)
+                    self.metrics.accepted_tokens.inc(verdict.num_accepted)
+                    yield verifier_pb2.VerifyResponse(round=request.block.round, **convert.verdict_fields(verdict))
+                else:
+                    raise ValueError("kind: set start or block")
+        finally:
+            # Normal end, client cancel, deadline or error: the KV cache goes with the stream.
+            if key is not None:
+                self.sessions.close(key)
+
+    def _validate_block(self, proposal: DraftProposal, session: TargetSession, lm: LoadedModel) -> None:
+        k = len(proposal)
+        if k > self.max_draft_tokens:
+            raise ValueError(f"draft_token_ids: {k} drafts exceed this verifier's limit ({self.max_draft_tokens})")
+        if any(t >= lm.vocab_size for t in proposal.draft_tokens):
+            raise ValueError(f"draft_token_ids: ids must be below the vocabulary size {lm.vocab_size}")
+        if len(session.tokens) + k >= lm.max_positions:
+            raise ValueError("draft_token_ids: the block would exceed the model context")
+
+    @map_unary_errors
+    async def GetInfo(self, request, context):
+        lm = self._require_model()
+        return verifier_pb2.GetVerifierInfoResponse(
+            model=convert.model_info_pb(lm),
+            load=types_pb2.LoadReport(active_sessions=len(self.sessions), max_sessions=self.sessions.max_sessions),
+        )
+
+
+async def serve(target: str, options: ServeOptions, max_sessions: int = 64, device: str | None = None,
+                ready: asyncio.Event | None = None) -> None:
+    runtime = ServiceRuntime(SERVICE_NAME, options)
+    service = VerifierService(runtime, max_sessions=max_sessions)
+    verifier_pb2_grpc.add_VerifierServicer_to_server(service, runtime.server)
+    port = await runtime.start()
+    runtime.install_signal_handlers()
+    log.info("verifier listening on %s:%d (metrics %s)", options.host, port, runtime.metrics_port)
+    print(f"specdec verifier listening on {options.host}:{port}", flush=True)
+    await service.load(target, device=device)
+    await runtime.wait_and_drain()
