@@ -7,7 +7,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from specdec.drafters import Drafter, DraftSession, ModelDrafter, NgramDrafter
-from specdec.models import LoadedModel, load_model
+from specdec.models import LoadedModel, load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.rpc import convert
 from specdec.rpc.server import NotReady, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
 from specdec.rpc.sessions import ServiceMetrics, SessionRegistry
@@ -23,6 +23,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.runtime = runtime
         self.drafter: Drafter | None = None
         self.lm: LoadedModel | None = None
+        self.tokenizer = None  # n-gram drafting needs no model, only the vocabulary
         self.max_draft_tokens = max_draft_tokens
         self.metrics = ServiceMetrics(runtime.registry, "drafter")
         self.sessions = SessionRegistry(max_sessions, self.metrics)
@@ -36,8 +37,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             self.lm = await loop.run_in_executor(self.executor, lambda: load_model(draft_model, device=device))
             self.drafter = ModelDrafter(self.lm)
         elif method == "ngram":
-            if draft_model:  # the tokenizer identifies the vocabulary for the gateway's pairing check
-                self.lm = await loop.run_in_executor(self.executor, lambda: load_model(draft_model, device="cpu"))
+            if draft_model:  # only the tokenizer: it identifies the vocabulary for the gateway's pairing check
+                self.tokenizer = await loop.run_in_executor(self.executor, load_tokenizer, draft_model)
             self.drafter = NgramDrafter()
         else:
             raise SystemExit(f"unknown draft method {method!r}")
@@ -71,10 +72,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                         raise ValueError("start: a stream carries exactly one session")
                     start = request.start
                     prompt = [int(t) for t in start.prompt_token_ids]
-                    if self.lm is not None:
-                        self.lm.validate_prompt(prompt)
-                    elif not prompt:
-                        raise ValueError("prompt_token_ids must not be empty")
+                    self._validate_ids(prompt, "prompt_token_ids")
                     params = convert.sampling_from_pb(start.sampling, draft_top_k=start.draft_top_k)
                     session = drafter.start(prompt, params)
                     key = self.sessions.open(start.session_id, session)
@@ -90,8 +88,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                             f"num_draft_tokens: {k} exceeds this drafter's limit ({self.max_draft_tokens})"
                         )
                     committed = [int(t) for t in propose.committed_token_ids]
-                    if self.lm is not None and any(t >= self.lm.vocab_size for t in committed):
-                        raise ValueError("committed_token_ids: ids must be below the vocabulary size")
+                    if committed:
+                        self._validate_ids(committed, "committed_token_ids")
                     proposal = await self._run(self._propose, session, committed, k)
                     self.metrics.tokens.inc(len(proposal))
                     yield drafter_pb2.DraftResponse(
@@ -103,6 +101,23 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             if key is not None:
                 self.sessions.close(key)
 
+    def _validate_ids(self, ids: list[int], field: str) -> None:
+        if self.lm is not None:
+            self.lm.validate_prompt(ids, field)
+            return
+        if not ids:
+            raise ValueError(f"{field} must not be empty")
+        if self.tokenizer is not None and any(t >= len(self.tokenizer) for t in ids):
+            raise ValueError(f"{field}: ids must be below the vocabulary size {len(self.tokenizer)}")
+
+    def _model_info(self) -> types_pb2.ModelInfo:
+        if self.lm is not None:
+            return convert.model_info_pb(self.lm)
+        if self.tokenizer is not None:
+            return types_pb2.ModelInfo(tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
+                                       vocab_size=len(self.tokenizer))
+        return types_pb2.ModelInfo()
+
     @staticmethod
     def _propose(session: DraftSession, committed: list[int], k: int):
         session.extend(committed)
@@ -113,7 +128,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         drafter = self._require_drafter()
         return drafter_pb2.GetDrafterInfoResponse(
             method=drafter.name,
-            model=convert.model_info_pb(self.lm) if self.lm is not None else types_pb2.ModelInfo(),
+            model=self._model_info(),
             load=types_pb2.LoadReport(active_sessions=len(self.sessions), max_sessions=self.sessions.max_sessions),
         )
 

@@ -14,7 +14,7 @@ from specdec.completion import CompletionBuilder
 from specdec.drafters import NgramDrafter
 from specdec.engine import GenerationResult, LocalDrafter, generate
 from specdec.local import make_policy
-from specdec.models import resolve_model_path, tokenizer_fingerprint
+from specdec.models import load_tokenizer, tokenizer_fingerprint
 from specdec.prompts import encode_chat, encode_text
 from specdec.rpc import convert
 from specdec.rpc.server import NotReady, Overloaded, ServeOptions, ServiceRuntime, channel_options, map_errors
@@ -57,9 +57,9 @@ class Backend:
 class BackendPool:
     backends: list[Backend] = field(default_factory=list)
 
-    def pick(self) -> Backend | None:
-        """Least-loaded replica (this gateway's open sessions on it)."""
-        ready = [b for b in self.backends if b.info is not None]
+    def pick(self, method: str | None = None) -> Backend | None:
+        """Least-loaded ready replica (by this gateway's open sessions on it), of ``method`` if given."""
+        ready = [b for b in self.backends if b.info is not None and (method is None or b.info.method == method)]
         return min(ready, key=lambda b: b.in_flight) if ready else None
 
 
@@ -142,8 +142,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         method = request.speculation.method or "auto"
         if method not in METHODS:
             raise ValueError(f"speculation.method: {method!r} is not one of {', '.join(METHODS)}")
-        if method == "model" and not self.drafters.backends:
-            raise ValueError("speculation.method: 'model' needs a drafter service and none is configured")
+        if method == "model" and not any(b.info is not None and b.info.method == "model" for b in self.drafters.backends):
+            raise ValueError("speculation.method: 'model' needs a model drafter service and none is configured")
         k = request.speculation.num_draft_tokens
         if k > limits.max_draft_tokens:
             raise ValueError(f"speculation.num_draft_tokens: {k} exceeds the limit of {limits.max_draft_tokens}")
@@ -151,7 +151,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         if len(prompt_ids) + 1 >= self.max_positions:
             raise ValueError("prompt: no room left in the model context")
         if method == "auto":
-            method = "model" if self.drafters.backends else "ngram"
+            ready = [b.info.method for b in self.drafters.backends if b.info is not None]
+            method = "model" if "model" in ready else "ngram"
         return prompt_ids, params, method, k
 
     # -- the RPC ---------------------------------------------------------------------------------
@@ -176,15 +177,16 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         verifier_backend.in_flight += 1
         verifier = RemoteVerifier(verifier_backend.stub, request_id, prompt_ids, params, timeout)
         drafter_link, drafter_backend, remote_drafter = None, None, None
-        if method == "model":
-            drafter_backend = self.drafters.pick()
+        if method in ("model", "ngram"):
+            # A drafter service of that method if one runs; n-gram lookup can also run right here.
+            drafter_backend = self.drafters.pick(method)
             if drafter_backend is not None:
                 drafter_backend.in_flight += 1
                 remote_drafter = RemoteDrafter(drafter_backend.stub, request_id, prompt_ids, params, timeout)
                 remote_drafter.begin()
                 drafter_link = remote_drafter
-        elif method == "ngram":
-            drafter_link = LocalDrafter(NgramDrafter().start(prompt_ids, params))
+            elif method == "ngram":
+                drafter_link = LocalDrafter(NgramDrafter().start(prompt_ids, params))
         try:
             events = generate(
                 prompt_tokens=len(prompt_ids),
@@ -227,12 +229,6 @@ def make_pool(addresses: list[str], stub_cls, max_message_bytes: int) -> Backend
         channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
         pool.backends.append(Backend(address=address, channel=channel, stub=stub_cls(channel)))
     return pool
-
-
-def load_tokenizer(target: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(resolve_model_path(target))
 
 
 async def serve(target: str, verifier_addresses: list[str], drafter_addresses: list[str],

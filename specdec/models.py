@@ -152,6 +152,12 @@ class LoadedModel:
         return logits[0, -num_logits:].float().cpu()
 
 
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), trust_remote_code=trust_remote_code)
+
+
 def load_model(
     name_or_path: str,
     device: str | torch.device | None = None,
