@@ -44,23 +44,83 @@ class GatewayLimits:
 
 @dataclass
 class Backend:
-    """One drafter or verifier replica and how many of this gateway's sessions it holds."""
+    """One drafter or verifier replica and its load."""
 
     address: str
     channel: grpc.aio.Channel
     stub: object
-    in_flight: int = 0
-    info: object = None
+    in_flight: int = 0  # this gateway's open sessions on it
+    info: object = None  # the last GetInfo answer; None = not ready
+    reported_active: int = 0  # sessions it reported at the last refresh (all gateways)
+    opened_since_report: int = 0
+    removed: bool = False
+
+    @property
+    def load(self) -> int:
+        return max(self.in_flight, self.reported_active + self.opened_since_report)
 
 
-@dataclass
 class BackendPool:
-    backends: list[Backend] = field(default_factory=list)
+    """The replicas of one role: static addresses or a live EndpointSlice set, refreshed by GetInfo."""
+
+    def __init__(self, role: str, stub_cls, max_message_bytes: int) -> None:
+        self.role = role
+        self.stub_cls = stub_cls
+        self.max_message_bytes = max_message_bytes
+        self.backends: list[Backend] = []
+        self.fingerprint: str | None = None  # the gateway's tokenizer; mismatching replicas are never used
+
+    def set_addresses(self, addresses) -> None:
+        wanted = set(addresses)
+        for backend in self.backends:
+            if backend.address not in wanted:
+                backend.removed = True  # new sessions avoid it; open ones finish there
+        known = {b.address for b in self.backends if not b.removed}
+        for address in sorted(wanted - known):
+            channel = grpc.aio.insecure_channel(address, options=channel_options(self.max_message_bytes))
+            self.backends.append(Backend(address=address, channel=channel, stub=self.stub_cls(channel)))
+        for backend in [b for b in self.backends if b.removed and b.in_flight == 0]:
+            self.backends.remove(backend)
+            asyncio.ensure_future(backend.channel.close())
+
+    async def refresh(self, timeout: float = 2.0) -> None:
+        """Ask every replica for its info and load; unreachable or mismatched ones are not ready."""
+        request = verifier_pb2.GetVerifierInfoRequest() if self.role == "verifier" else drafter_pb2.GetDrafterInfoRequest()
+
+        async def one(backend: Backend) -> None:
+            try:
+                info = await backend.stub.GetInfo(request, timeout=timeout)
+            except grpc.aio.AioRpcError:
+                backend.info = None
+                return
+            fingerprint = info.model.tokenizer_fingerprint
+            if fingerprint and self.fingerprint and fingerprint != self.fingerprint:
+                if backend.info is not None or not getattr(backend, "_warned", False):
+                    log.error("%s %s serves %r with a different tokenizer; not using it",
+                              self.role, backend.address, info.model.model)
+                    backend._warned = True
+                backend.info = None
+                return
+            if backend.info is None:
+                log.info("%s %s ready (%s)", self.role, backend.address, info.model.model or getattr(info, "method", ""))
+            backend.info = info
+            backend.reported_active = info.load.active_sessions
+            backend.opened_since_report = 0
+
+        await asyncio.gather(*(one(b) for b in list(self.backends)))
+
+    def ready(self, method: str | None = None) -> list[Backend]:
+        return [b for b in self.backends
+                if b.info is not None and not b.removed and (method is None or b.info.method == method)]
 
     def pick(self, method: str | None = None) -> Backend | None:
-        """Least-loaded ready replica (by this gateway's open sessions on it), of ``method`` if given."""
-        ready = [b for b in self.backends if b.info is not None and (method is None or b.info.method == method)]
-        return min(ready, key=lambda b: b.in_flight) if ready else None
+        """The least-loaded ready replica (of ``method`` if given)."""
+        ready = self.ready(method)
+        if not ready:
+            return None
+        backend = min(ready, key=lambda b: b.load)
+        backend.opened_since_report += 1
+        return backend
 
 
 class GatewayService(gateway_pb2_grpc.GatewayServicer):
@@ -79,30 +139,21 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.max_positions = 1 << 30
 
     # -- startup -------------------------------------------------------------------------------
-    async def connect(self, poll_s: float = 0.5) -> None:
-        """Wait for every backend's info, check that its tokenizer matches, then serve."""
-        pending = [(b, "verifier") for b in self.verifiers.backends] + [(b, "drafter") for b in self.drafters.backends]
-        while pending:
-            still = []
-            for backend, role in pending:
-                try:
-                    request = verifier_pb2.GetVerifierInfoRequest() if role == "verifier" else drafter_pb2.GetDrafterInfoRequest()
-                    info = await backend.stub.GetInfo(request, timeout=5)
-                except grpc.aio.AioRpcError:
-                    still.append((backend, role))
-                    continue
-                model = info.model
-                if model.tokenizer_fingerprint and model.tokenizer_fingerprint != self.fingerprint:
-                    raise SystemExit(f"{role} at {backend.address} serves {model.model!r} whose tokenizer differs from the gateway's")
-                if role == "verifier":
-                    self.eos_token_ids = tuple(model.eos_token_ids)
-                    self.max_positions = min(self.max_positions, model.max_positions or self.max_positions)
-                backend.info = info
-                log.info("%s %s ready (%s)", role, backend.address, model.model or getattr(info, "method", ""))
-            pending = still
-            if pending:
-                await asyncio.sleep(poll_s)
-        await self.runtime.set_serving(True)
+    async def connect(self, poll_s: float = 0.5, refresh_s: float = 2.0) -> None:
+        """Serve once a verifier is ready; then keep every replica's readiness and load fresh."""
+        self.verifiers.fingerprint = self.drafters.fingerprint = self.fingerprint
+        serving = False
+        while True:
+            await asyncio.gather(self.verifiers.refresh(), self.drafters.refresh())
+            ready = self.verifiers.ready()
+            if ready:
+                model = ready[0].info.model
+                self.eos_token_ids = tuple(model.eos_token_ids)
+                self.max_positions = model.max_positions or self.max_positions
+            if bool(ready) != serving:
+                serving = bool(ready)
+                await self.runtime.set_serving(serving)
+            await asyncio.sleep(refresh_s if serving else poll_s)
 
     # -- request validation ----------------------------------------------------------------------
     def _prompt_ids(self, request) -> list[int]:
@@ -142,7 +193,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         method = request.speculation.method or "auto"
         if method not in METHODS:
             raise ValueError(f"speculation.method: {method!r} is not one of {', '.join(METHODS)}")
-        if method == "model" and not any(b.info is not None and b.info.method == "model" for b in self.drafters.backends):
+        if method == "model" and not self.drafters.ready("model"):
             raise ValueError("speculation.method: 'model' needs a model drafter service and none is configured")
         k = request.speculation.num_draft_tokens
         if k > limits.max_draft_tokens:
@@ -151,8 +202,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         if len(prompt_ids) + 1 >= self.max_positions:
             raise ValueError("prompt: no room left in the model context")
         if method == "auto":
-            ready = [b.info.method for b in self.drafters.backends if b.info is not None]
-            method = "model" if "model" in ready else "ngram"
+            method = "model" if self.drafters.ready("model") else "ngram"
         return prompt_ids, params, method, k
 
     # -- the RPC ---------------------------------------------------------------------------------
@@ -223,28 +273,50 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             await asyncio.shield(asyncio.gather(*closers, return_exceptions=True))
 
 
-def make_pool(addresses: list[str], stub_cls, max_message_bytes: int) -> BackendPool:
-    pool = BackendPool()
-    for address in addresses:
-        channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
-        pool.backends.append(Backend(address=address, channel=channel, stub=stub_cls(channel)))
-    return pool
-
-
 async def serve(target: str, verifier_addresses: list[str], drafter_addresses: list[str],
-                options: ServeOptions, limits: GatewayLimits) -> None:
-    if not verifier_addresses:
-        raise SystemExit("the gateway needs at least one --verifier address")
+                options: ServeOptions, limits: GatewayLimits, discover_verifiers: str | None = None,
+                discover_drafters: str | None = None, namespace: str | None = None) -> None:
+    if not verifier_addresses and not discover_verifiers:
+        raise SystemExit("the gateway needs --verifier addresses or --discover-verifiers SERVICE")
     runtime = ServiceRuntime(SERVICE_NAME, options)
-    tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, target)
-    service = GatewayService(
-        runtime, tokenizer, limits,
-        make_pool(verifier_addresses, verifier_pb2_grpc.VerifierStub, options.max_message_bytes),
-        make_pool(drafter_addresses, drafter_pb2_grpc.DrafterStub, options.max_message_bytes),
-    )
+    loop = asyncio.get_running_loop()
+    tokenizer = await loop.run_in_executor(None, load_tokenizer, target)
+    verifiers = BackendPool("verifier", verifier_pb2_grpc.VerifierStub, options.max_message_bytes)
+    drafters = BackendPool("drafter", drafter_pb2_grpc.DrafterStub, options.max_message_bytes)
+    verifiers.set_addresses(verifier_addresses)
+    drafters.set_addresses(drafter_addresses)
+    watchers = []
+    if discover_verifiers or discover_drafters:
+        from gateway.discovery import EndpointSliceWatcher, discovery_api
+
+        api = discovery_api()
+        namespace = namespace or _pod_namespace()
+        for service_name, pool in ((discover_verifiers, verifiers), (discover_drafters, drafters)):
+            if service_name:
+                watcher = EndpointSliceWatcher(
+                    api, namespace, service_name,
+                    on_change=lambda addresses, pool=pool: loop.call_soon_threadsafe(pool.set_addresses, addresses),
+                )
+                watcher.start()
+                watchers.append(watcher)
+    service = GatewayService(runtime, tokenizer, limits, verifiers, drafters)
     gateway_pb2_grpc.add_GatewayServicer_to_server(service, runtime.server)
     port = await runtime.start()
     runtime.install_signal_handlers()
     print(f"specdec gateway listening on {options.host}:{port}", flush=True)
-    await service.connect()
-    await runtime.wait_and_drain()
+    connector = asyncio.ensure_future(service.connect())
+    try:
+        await runtime.wait_and_drain()
+    finally:
+        connector.cancel()
+        for watcher in watchers:
+            watcher.stop()
+
+
+def _pod_namespace() -> str:
+    path = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return "default"

@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--target", default=DEFAULT_TARGET, help="model whose tokenizer and chat template to use")
     gateway.add_argument("--verifier", action="append", default=[], help="verifier address (repeatable)")
     gateway.add_argument("--drafter", action="append", default=[], help="drafter address (repeatable)")
+    gateway.add_argument("--discover-verifiers", default=None, metavar="SERVICE",
+                         help="in Kubernetes: watch this Service's EndpointSlices for verifier pods")
+    gateway.add_argument("--discover-drafters", default=None, metavar="SERVICE")
+    gateway.add_argument("--namespace", default=None, help="namespace to watch (default: the pod's own)")
     gateway.add_argument("--max-prompt-tokens", type=int, default=4096)
     gateway.add_argument("--max-new-tokens-cap", type=int, default=2048)
     gateway.add_argument("--default-max-new-tokens", type=int, default=128)
@@ -226,7 +230,9 @@ def _serve(args) -> int:
             default_max_new_tokens=args.default_max_new_tokens,
             max_draft_tokens=args.max_draft_tokens,
         )
-        coro = serve(args.target, args.verifier, args.drafter, options, limits)
+        coro = serve(args.target, args.verifier, args.drafter, options, limits,
+                     discover_verifiers=args.discover_verifiers, discover_drafters=args.discover_drafters,
+                     namespace=args.namespace)
     asyncio.run(coro)
     return 0
 

@@ -23,6 +23,9 @@ from prometheus_client import CollectorRegistry, start_http_server
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+# Liveness probes check this name: it stays SERVING while the process lives (draining included),
+# whereas readiness ("" and the service's own name) turns NOT_SERVING as soon as a drain begins.
+LIVENESS_SERVICE = "specdec.v1.Liveness"
 
 
 class Overloaded(Exception):
@@ -137,6 +140,7 @@ class ServiceRuntime:
         self.port = self.server.add_insecure_port(f"{self.options.host}:{self.options.port}")
         await self.server.start()
         await self.set_serving(False)
+        await _maybe_await(self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING))
         if self.options.metrics_port is not None:
             http_server, _ = start_http_server(self.options.metrics_port, addr=self.options.host, registry=self.registry)
             self.metrics_port = http_server.server_port
