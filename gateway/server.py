@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from specdec import telemetry
 from specdec.completion import CompletionBuilder
 from specdec.drafters import NgramDrafter
 from specdec.engine import GenerationResult, LocalDrafter, generate
@@ -134,6 +135,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.verifiers = verifiers
         self.drafters = drafters
         self.metrics = ServiceMetrics(runtime.registry, "gateway")
+        self.telemetry = telemetry.current()
+        self.genai_metrics = telemetry.GenAIMetrics(runtime.registry, self.telemetry)
+        self.telemetry.observe_active_sessions("gateway", lambda: self.active)
+        self.model_name = ""  # gen_ai.request.model: the gateway's --target
         self.active = 0
         self.eos_token_ids: tuple[int, ...] = ()
         self.max_positions = 1 << 30
@@ -153,7 +158,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             if bool(ready) != serving:
                 serving = bool(ready)
                 await self.runtime.set_serving(serving)
-            await asyncio.sleep(refresh_s if serving else poll_s)
+            all_ready = all(b.info is not None for b in self.verifiers.backends + self.drafters.backends)
+            await asyncio.sleep(refresh_s if serving and all_ready else poll_s)
 
     # -- request validation ----------------------------------------------------------------------
     def _prompt_ids(self, request) -> list[int]:
@@ -208,6 +214,18 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
     # -- the RPC ---------------------------------------------------------------------------------
     @map_errors
     async def Generate(self, request, context):
+        operation = "chat" if len(request.messages) else "text_completion"
+        obs = telemetry.RequestTelemetry(self.telemetry, self.genai_metrics, operation, self.model_name)
+        try:
+            async for response in self._generate(request, context, obs):
+                yield response
+        except BaseException as exc:
+            obs.fail(exc)
+            raise
+        finally:
+            obs.end()
+
+    async def _generate(self, request, context, obs: telemetry.RequestTelemetry):
         try:
             prompt_ids, params, method, k = self._validate(request)
         except ValueError:
@@ -220,24 +238,30 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         if verifier_backend is None:
             raise NotReady("no verifier is ready")
         request_id = request.request_id or uuid.uuid4().hex
+        obs.begin(request_id=request_id, params=params, prompt_tokens=len(prompt_ids), method=method, requested_k=k)
+        metadata = obs.metadata()  # W3C trace context for both downstream streams (None: tracing off)
         timeout = context.time_remaining()  # the client's deadline, passed on as remaining time
         self.active += 1
         self.metrics.active_sessions.set(self.active)
         self.metrics.requests.inc()
         verifier_backend.in_flight += 1
-        verifier = RemoteVerifier(verifier_backend.stub, request_id, prompt_ids, params, timeout)
+        verifier = RemoteVerifier(verifier_backend.stub, request_id, prompt_ids, params, timeout, metadata)
         drafter_link, drafter_backend, remote_drafter = None, None, None
         if method in ("model", "ngram"):
             # A drafter service of that method if one runs; n-gram lookup can also run right here.
             drafter_backend = self.drafters.pick(method)
             if drafter_backend is not None:
                 drafter_backend.in_flight += 1
-                remote_drafter = RemoteDrafter(drafter_backend.stub, request_id, prompt_ids, params, timeout)
+                remote_drafter = RemoteDrafter(drafter_backend.stub, request_id, prompt_ids, params, timeout, metadata)
                 remote_drafter.begin()
                 drafter_link = remote_drafter
             elif method == "ngram":
                 drafter_link = LocalDrafter(NgramDrafter().start(prompt_ids, params))
+        obs.links(verifier, drafter_link, verifier_backend.address,
+                  drafter_backend.address if drafter_backend is not None else None,
+                  (drafter_backend.info.model.model or None) if drafter_backend is not None else None)
         try:
+            obs.generation_started()
             events = generate(
                 prompt_tokens=len(prompt_ids),
                 completion=CompletionBuilder(self.tokenizer, params, self.eos_token_ids),
@@ -246,9 +270,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 policy=make_policy(k),
                 draft_method=method,
                 max_context=self.max_positions,
+                on_round=obs.on_round,
             )
             async for event in events:
                 if isinstance(event, GenerationResult):
+                    obs.finish(event)
                     self.metrics.draft_tokens.inc(event.stats.draft_tokens)
                     self.metrics.accepted_tokens.inc(event.stats.accepted_tokens)
                     yield gateway_pb2.GenerateResponse(
@@ -300,6 +326,7 @@ async def serve(target: str, verifier_addresses: list[str], drafter_addresses: l
                 watcher.start()
                 watchers.append(watcher)
     service = GatewayService(runtime, tokenizer, limits, verifiers, drafters)
+    service.model_name = target
     gateway_pb2_grpc.add_GatewayServicer_to_server(service, runtime.server)
     port = await runtime.start()
     runtime.install_signal_handlers()
