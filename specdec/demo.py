@@ -61,14 +61,16 @@ def main() -> int:
     try:
         _wait_serving(address, up)
         print(f"== streaming a chat generation through the gateway at {address}\n", flush=True)
-        base = [sys.executable, "-m", "specdec.cli", "--log-level", "WARNING", "generate", PROMPT, "--chat",
-                "--gateway", address, "--max-new-tokens", "160"]
-        subprocess.run(base, check=True)
-        print("\n== the same request as JSON (stats)", flush=True)
-        out = subprocess.run(base + ["--json"], check=True, capture_output=True, text=True).stdout
-        result = json.loads(out)
-        print(json.dumps({"finish_reason": result["finish_reason"], "completion_tokens": len(result["token_ids"]),
-                          "stats": result["stats"]}, indent=2))
+        from specdec.client import ChunkEvent, GatewayClient
+
+        with GatewayClient(address, timeout=600) as client:
+            for event in client.stream(messages=[("user", PROMPT)], max_new_tokens=160):
+                if isinstance(event, ChunkEvent):
+                    print(event.text, end="", flush=True)
+                else:
+                    print(f"\n\n== finish_reason={event.finish_reason} prompt_tokens={event.prompt_tokens} "
+                          f"completion_tokens={event.completion_tokens}")
+                    print(json.dumps(event.stats, indent=2))
     finally:
         os.killpg(up.pid, signal.SIGINT)
         try:
