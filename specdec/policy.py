@@ -20,6 +20,7 @@ a pure function of the observations (no randomness).
 
 from __future__ import annotations
 
+import math
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -88,70 +89,100 @@ class HeuristicDraftLength(DraftLengthPolicy):
 
 
 class AcceptanceEstimator:
-    """Exponentially weighted MLE of the per-token acceptance rate.
+    """Exponentially weighted MLE of the per-token acceptance rate, with change detection.
 
     A round with k drafts and n accepted is a truncated geometric observation: n successes and,
     if n < k, one failure. The MLE of a geometric is successes / trials with
-    trials = n + (1 if n < k else 0); both sums decay by ``decay`` per observed round, so the
-    window is measured in rounds (about 1 / (1 - decay)). Rounds with k = 0 carry no
-    information and change nothing.
+    trials = n + (1 if n < k else 0); both sums decay by ``decay`` per observed round (window
+    ~ 1 / (1 - decay) rounds). Rounds with k = 0 carry no information and change nothing.
 
-    Position effects: position i (1-based) is tried in every round that reached it, so the
-    conditional rate alpha_i = P(accept i | accepted 1..i-1) has its own decayed counts,
-    shrunk towards the pooled alpha with ``position_shrinkage`` pseudo-trials.
+    A long window is precise but slow after a change of regime (easy text -> hard text), so two
+    one-sided CUSUM tests run on the same trials, against alpha halving and against the gap to 1
+    halving. When one crosses ``change_threshold`` (log-likelihood ratio) the sums restart from
+    the trials since that test last stood at zero (the CUSUM estimate of the change point),
+    plus ``restart_prior`` pseudo-trials at the alternative rate that fired. ``change_threshold``
+    (alpha fell) and ``up_threshold`` (alpha rose) are asymmetric on purpose: a missed rise
+    keeps the policy at k = 0 or a small k, a false fall costs a few short rounds.
+    ``change_threshold`` <= 0 turns detection off.
+
+    Position effects: the conditional rate alpha_i = P(accept i | accepted 1..i-1) has its own
+    decayed counts; its ratio to the pooled rate (shrunk to 1 with ``position_shrinkage``
+    pseudo-trials) multiplies the current rate.
     """
 
     def __init__(
         self,
-        decay: float = 0.9,
+        decay: float = 0.95,
         prior_alpha: float = 0.6,
         prior_trials: float = 2.0,
-        position_effects: bool = True,
+        position_effects: bool = False,
         position_shrinkage: float = 8.0,
         max_positions: int = 64,
-        fast_decay: float = 0.5,
-        change_z: float = 2.5,
+        change_threshold: float = 5.0,
+        up_threshold: float | None = 3.0,
+        restart_prior: float = 2.0,
+        restart_at_alternative: bool = True,
     ) -> None:
         if not 0.0 < decay <= 1.0:
             raise ValueError("decay must be in (0, 1]")
         self.decay = decay
         self.successes = prior_alpha * prior_trials
         self.trials = prior_trials
-        self.fast_decay = fast_decay
-        self.change_z = change_z
-        self.fast_successes = 0.0
-        self.fast_trials = 0.0
-        self.changes = 0
         self.position_effects = position_effects
         self.position_shrinkage = position_shrinkage
         self.max_positions = max_positions
+        self.change_threshold = change_threshold
+        self.up_threshold = change_threshold if up_threshold is None else up_threshold
+        self.restart_prior = restart_prior
+        self.restart_at_alternative = restart_at_alternative
         self.pos_successes: list[float] = []
         self.pos_trials: list[float] = []
+        # CUSUM statistics and the (successes, trials) since each last stood at zero.
+        self._down = [0.0, 0.0, 0.0]
+        self._up = [0.0, 0.0, 0.0]
+        self.changes = 0
+
+    @staticmethod
+    def _cusum(stat: list[float], a0: float, a1: float, n: int, f: int, threshold: float) -> bool:
+        llr = n * math.log(a1 / a0) + f * math.log((1.0 - a1) / (1.0 - a0))
+        stat[0] += llr
+        stat[1] += n
+        stat[2] += n + f
+        if stat[0] <= 0.0:
+            stat[0] = stat[1] = stat[2] = 0.0
+            return False
+        return stat[0] > threshold
 
     def update(self, num_drafts: int, num_accepted: int) -> None:
         k = int(num_drafts)
         if k <= 0:
             return
         n = max(0, min(int(num_accepted), k))
-        trials = n + (1 if n < k else 0)
+        f = 1 if n < k else 0
+        trials = n + f
+        a0 = min(0.98, max(0.02, self.alpha))
+        restart = None
+        if self.change_threshold > 0:
+            for stat, a1, h in (
+                (self._down, a0 / 2.0, self.change_threshold),
+                (self._up, (1.0 + a0) / 2.0, self.up_threshold),
+            ):
+                if self._cusum(stat, a0, a1, n, f, h):
+                    restart = (stat[1], stat[2], a1 if self.restart_at_alternative else a0)
         d = self.decay
-        self.successes = d * self.successes + n
-        self.trials = d * self.trials + trials
-        f = self.fast_decay
-        self.fast_successes = f * self.fast_successes + n
-        self.fast_trials = f * self.fast_trials + trials
-        ps, pt = self.pos_successes, self.pos_trials
         scale = d
-        if self.change_z > 0 and self.fast_trials >= 2.0:
-            a_slow = self.successes / self.trials
-            a_fast = self.fast_successes / self.fast_trials
-            var = max(a_slow * (1.0 - a_slow), 0.04)
-            if abs(a_fast - a_slow) > self.change_z * (var / self.fast_trials) ** 0.5:
-                # A change point: forget what came before the fast window.
-                scale = d * self.fast_trials / self.trials
-                self.successes = self.fast_successes
-                self.trials = self.fast_trials
-                self.changes += 1
+        if restart is not None:
+            m = self.restart_prior
+            new_s, new_t = restart[0] + m * restart[2], restart[1] + m
+            scale = min(1.0, new_t / (self.trials + trials))
+            self.successes, self.trials = new_s, new_t
+            self._down = [0.0, 0.0, 0.0]
+            self._up = [0.0, 0.0, 0.0]
+            self.changes += 1
+        else:
+            self.successes = d * self.successes + n
+            self.trials = d * self.trials + trials
+        ps, pt = self.pos_successes, self.pos_trials
         for i in range(len(pt)):
             ps[i] *= scale
             pt[i] *= scale
@@ -173,14 +204,17 @@ class AcceptanceEstimator:
     def conditional_rates(self, k: int) -> list[float]:
         """alpha_1 .. alpha_k (conditional acceptance at each draft position)."""
         a = self.alpha
-        if not self.position_effects:
+        if not self.position_effects or not self.pos_trials or a <= 1e-9:
+            return [a] * k
+        pt, ps = self.pos_trials, self.pos_successes
+        pooled = sum(ps) / sum(pt) if sum(pt) > 1e-9 else a
+        if pooled <= 1e-6:
             return [a] * k
         m = self.position_shrinkage
-        ps, pt = self.pos_successes, self.pos_trials
         out = []
         for i in range(k):
             if i < len(pt):
-                out.append((ps[i] + m * a) / (pt[i] + m))
+                out.append(min(1.0, a * (ps[i] + m * pooled) / ((pt[i] + m) * pooled)))
             else:
                 out.append(a)
         return out
@@ -216,6 +250,8 @@ class AcceptanceEstimator:
 
 def _isotonic(values: list[float], weights: list[float]) -> list[float]:
     """Weighted non-decreasing least-squares fit (pool adjacent violators)."""
+    if all(a <= b for a, b in zip(values, values[1:])):
+        return list(values)
     blocks: list[list[float]] = []  # [sum w*y, sum w, count]
     for y, w in zip(values, weights):
         blocks.append([y * w, w, 1])
@@ -246,16 +282,19 @@ class VerifyCostModel:
     """Verify time (as the loop sees it, round trip included) as a function of k.
 
     Keeps an exponentially weighted running mean per k (weight saturates at 1 / (1 - decay)).
-    ``curve`` makes the seen points non-decreasing in k (isotonic regression: verifying more
-    tokens never costs less; it damps noise), interpolates linearly between seen k and
-    extrapolates beyond them with the weighted least-squares slope (>= 0; with a single seen k,
-    ``prior_slope`` times its cost per token). No shape is assumed beyond monotonicity: a
-    step-shaped device curve is represented as measured.
+    ``curve`` shrinks each k's mean towards the weighted least-squares line through all of them
+    (``line_weight`` pseudo-observations: a k seen once or twice is mostly the line, so one
+    unlucky measurement does not make a k look expensive forever), makes the result
+    non-decreasing in k (isotonic regression: verifying more tokens never costs less),
+    interpolates linearly between seen k and extrapolates beyond them with the line's slope
+    (>= 0; with a single seen k, ``prior_slope`` times its cost per token). A k measured often
+    keeps its own mean, so a curve that is flat and then steps up is represented as measured.
     """
 
-    def __init__(self, decay: float = 0.95, prior_slope: float = 0.03) -> None:
+    def __init__(self, decay: float = 0.95, prior_slope: float = 0.03, line_weight: float = 2.0) -> None:
         self.decay = decay
         self.prior_slope = prior_slope
+        self.line_weight = line_weight
         self.means: dict[int, float] = {}
         self.weights: dict[int, float] = {}
         self._cache: tuple[int, list[float]] | None = None
@@ -272,19 +311,34 @@ class VerifyCostModel:
     def empty(self) -> bool:
         return not self.means
 
+    def line(self) -> tuple[float, float] | None:
+        """(intercept, slope) of the weighted least-squares line through the per-k means."""
+        if not self.means:
+            return None
+        ks = sorted(self.means)
+        ws = [self.weights[k] for k in ks]
+        ms = [self.means[k] for k in ks]
+        sw = sum(ws)
+        mk = sum(w * k for k, w in zip(ks, ws)) / sw
+        my = sum(w * m for m, w in zip(ms, ws)) / sw
+        slope = _weighted_slope([float(k) for k in ks], ms, ws)
+        if slope is None:
+            slope = self.prior_slope * my / (1.0 + self.prior_slope * mk)
+        slope = max(0.0, slope)
+        return my - slope * mk, slope
+
     def curve(self, k_max: int) -> list[float] | None:
         """Estimated verify seconds for k = 0..k_max, or None before any observation."""
         if not self.means:
             return None
         if self._cache is not None and self._cache[0] >= k_max:
             return self._cache[1][: k_max + 1]
+        intercept, slope = self.line()
         ks = sorted(self.means)
         ws = [self.weights[k] for k in ks]
-        ys = _isotonic([self.means[k] for k in ks], ws)
-        slope = _weighted_slope([float(k) for k in ks], ys, ws)
-        if slope is None:
-            slope = self.prior_slope * ys[0]
-        slope = max(0.0, slope)
+        w0 = self.line_weight
+        shrunk = [(w * self.means[k] + w0 * (intercept + slope * k)) / (w + w0) for k, w in zip(ks, ws)]
+        ys = _isotonic(shrunk, ws)
         lo_k, lo_y, hi_k, hi_y = ks[0], ys[0], ks[-1], ys[-1]
         top = max(k_max, hi_k)
         out: list[float] = []
@@ -528,14 +582,21 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         initial_k: k of the first round when nothing at all is known about costs.
         prior_alpha, prior_trials: acceptance prior used when the memory has nothing.
         alpha_decay: per-round decay of the acceptance counts (window ~ 1 / (1 - decay) rounds).
+        change_threshold, up_threshold: CUSUM thresholds (log-likelihood ratio) for a fall / a
+            rise of acceptance; crossing one restarts the estimate (0 disables detection).
         cost_decay: per-observation decay of the cost estimates.
         position_effects: model per-position conditional acceptance.
         probe_k, probe_interval, max_probe_interval: while k = 0 wins, draft ``probe_k`` tokens
             after ``probe_interval`` k = 0 rounds; a probe with nothing accepted doubles the
-            interval (up to the max), one with acceptances resets it and probes again at once.
+            interval, one with acceptances resets it and probes again at once.
+        probe_budget, paid_probe_budget: the interval stops doubling where the probes' extra
+            cost is this fraction of the time between them (the larger budget once drafting
+            clearly paid earlier in the session: acceptance that was high tends to come back).
         explore_every: every this many k > 0 rounds use a neighbouring k (k +/- 1, alternating)
             so the draft overhead / per-token split and the verify curve stay identifiable;
             done more often (every 3rd round) while the draft cost model has no spread in k.
+        info_margin: k = 0 is chosen only if it beats the best k >= 1 by more than this
+            fraction (drafting keeps measuring acceptance; k = 0 learns nothing).
         warm_trials, warm_cost_weight: caps on how much a memory warm start weighs.
     """
 
@@ -550,17 +611,19 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         initial_k: int = 4,
         prior_alpha: float = 0.6,
         prior_trials: float = 2.0,
-        alpha_decay: float = 0.9,
+        alpha_decay: float = 0.95,
+        change_threshold: float = 5.0,
+        up_threshold: float | None = 3.0,
         cost_decay: float = 0.95,
-        position_effects: bool = True,
-        probe_k: int = 2,
-        probe_interval: int = 8,
-        max_probe_interval: int = 128,
+        position_effects: bool = False,
+        probe_k: int = 1,
+        probe_interval: int = 4,
+        max_probe_interval: int = 256,
+        probe_budget: float = 0.02,
+        paid_probe_budget: float = 0.05,
         explore_every: int = 32,
-        info_margin: float = 0.03,
-        fast_decay: float = 0.5,
-        change_z: float = 2.5,
-        warm_trials: float = 8.0,
+        info_margin: float = 0.05,
+        warm_trials: float = 60.0,
         warm_cost_weight: float = 4.0,
     ) -> None:
         if max_k < 0:
@@ -573,13 +636,15 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         self.base_probe_interval = max(1, probe_interval)
         self.max_probe_interval = max(self.base_probe_interval, max_probe_interval)
         self.explore_every = explore_every
+        self.probe_budget = probe_budget
+        self.paid_probe_budget = paid_probe_budget
         self.acceptance = AcceptanceEstimator(
             decay=alpha_decay,
             prior_alpha=prior_alpha,
             prior_trials=prior_trials,
             position_effects=position_effects,
-            fast_decay=fast_decay,
-            change_z=change_z,
+            change_threshold=change_threshold,
+            up_threshold=up_threshold,
         )
         self.info_margin = info_margin
         self.verify = VerifyCostModel(decay=cost_decay)
@@ -601,6 +666,8 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         self._spec_rounds = 0
         self._catch_up = True  # the drafter has unseen tokens (session start, after k = 0 rounds)
         self._closed = False
+        self.paid = False  # speculation clearly paid earlier in this session
+        self.paid_gain = 1.25
 
     # -- model -------------------------------------------------------------------------------
 
@@ -617,7 +684,7 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         rates = []
         for k in range(k_max + 1):
             t = vcurve[k] + (overhead + per_token * k if k > 0 else 0.0)
-            rates.append(tokens[k] / t if t > 0 else float("inf"))
+            rates.append(tokens[k] / max(t, 1e-9))
         return rates
 
     def estimates(self, k_max: int | None = None) -> dict:
@@ -634,6 +701,19 @@ class AdaptiveDraftLength(DraftLengthPolicy):
             "probe_interval": self.probe_interval,
             "warm_started": self.warm_started,
         }
+
+    def probe_interval_cap(self) -> int:
+        """Longest backoff: a probe's extra cost spread over the k = 0 rounds between probes
+        stays within ``probe_budget`` of their time (so never probing could gain at most that)."""
+        cap = self.max_probe_interval
+        budget = self.paid_probe_budget if self.paid else self.probe_budget
+        vcurve = self.verify.curve(self.probe_k)
+        if vcurve is not None and budget > 0 and vcurve[0] > 0:
+            extra = vcurve[self.probe_k] - vcurve[0] + self.draft.predict(self.probe_k)
+            if extra <= 0:
+                extra = 0.1 * vcurve[0]  # prior: a draft token costs a tenth of a target step
+            cap = min(cap, math.ceil(extra / (budget * vcurve[0])))
+        return max(self.base_probe_interval, cap)
 
     # -- policy ------------------------------------------------------------------------------
 
@@ -661,9 +741,11 @@ class AdaptiveDraftLength(DraftLengthPolicy):
             return 0
         self.zero_run = 0
         self.probe_interval = self.base_probe_interval
+        if rates[best] >= self.paid_gain * rates[0]:
+            self.paid = True
         self._spec_rounds += 1
         explore = (self.explore_every > 0 and self._spec_rounds % self.explore_every == 0) or (
-            self.draft.spread < 0.25 and self._spec_rounds % 3 == 0
+            self.draft.spread < 0.1 and self._spec_rounds % 3 == 0
         )
         if explore:
             self._explore_sign = -self._explore_sign
@@ -692,7 +774,7 @@ class AdaptiveDraftLength(DraftLengthPolicy):
                 self.probe_interval = self.base_probe_interval
                 self.zero_run = self.probe_interval  # probe again next round if k = 0 still wins
             else:
-                self.probe_interval = min(2 * self.probe_interval, self.max_probe_interval)
+                self.probe_interval = min(2 * self.probe_interval, self.probe_interval_cap())
 
     def close(self) -> None:
         """Report this session's estimates to the memory (once)."""

@@ -1,0 +1,364 @@
+"""Draft-length policies on synthetic observation sequences (no models, no clock)."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from specdec.policy import (
+    AcceptanceEstimator,
+    AcceptanceMemory,
+    AdaptiveDraftLength,
+    DraftCostModel,
+    FixedDraftLength,
+    HeuristicDraftLength,
+    RoundObservation,
+    VerifyCostModel,
+    make_policy,
+)
+
+STEP = 0.025  # one target step, seconds
+
+
+def costs(k: int, c: float = 0.1, beta: float = 0.05, rtt: float = 0.05) -> tuple[float, float]:
+    """(draft_s, verify_s) of a k round: remote drafter and verifier, linear verify cost."""
+    draft = (rtt + c * k) * STEP if k > 0 else 0.0
+    return draft, (rtt + 1.0 + beta * k) * STEP
+
+
+def drive(policy, rounds: int, accepted, max_k: int = 16, **cost_kw) -> list[int]:
+    """Run ``rounds`` rounds; ``accepted(k, i)`` says how many of k drafts round i accepts."""
+    ks = []
+    for i in range(rounds):
+        k = policy.choose(max_k)
+        assert 0 <= k <= max_k
+        d, v = costs(k, **cost_kw)
+        policy.observe(RoundObservation(k, accepted(k, i) if k else 0, d, v))
+        ks.append(k)
+    return ks
+
+
+def geometric(alpha: float, seed: int = 0):
+    rng = random.Random(seed)
+
+    def accepted(k: int, i: int) -> int:
+        n = 0
+        while n < k and rng.random() < alpha:
+            n += 1
+        return n
+
+    return accepted
+
+
+# --- the existing policies keep working --------------------------------------------------------
+
+
+def test_fixed_and_heuristic_unchanged():
+    assert FixedDraftLength(5).choose(3) == 3
+    assert FixedDraftLength(5).choose(16) == 5
+    with pytest.raises(ValueError):
+        FixedDraftLength(-1)
+    h = HeuristicDraftLength()
+    assert h.choose(16) == 5
+    h.observe(RoundObservation(5, 5, 0.0, 0.0))
+    assert h.choose(16) == 7
+    h.observe(RoundObservation(7, 2, 0.0, 0.0))
+    assert h.choose(16) == 6
+    h.observe(RoundObservation(0, 0, 0.0, 0.0))  # k = 0 rounds are ignored
+    assert h.choose(16) == 6
+    for _ in range(10):
+        h.observe(RoundObservation(h.choose(16), 0, 0.0, 0.0))
+    assert h.choose(16) == 1  # never below 1
+
+
+def test_make_policy():
+    assert isinstance(make_policy(4), FixedDraftLength)
+    assert make_policy(40, max_k=16).choose(100) == 16  # server bound
+    memory = AcceptanceMemory()
+    p = make_policy(0, memory=memory, key=("model", "draft", "target"), max_k=8)
+    assert isinstance(p, AdaptiveDraftLength)
+    assert p.max_k == 8 and p.memory is memory
+    with pytest.raises(ValueError):
+        make_policy(-1)
+    FixedDraftLength(3).close()  # every policy can be closed
+
+
+# --- acceptance estimator ----------------------------------------------------------------------
+
+
+def test_estimator_is_the_truncated_geometric_mle():
+    est = AcceptanceEstimator(decay=1.0, prior_trials=0.0, change_threshold=0)
+    est.update(4, 4)  # 4 successes, no failure observed
+    assert est.alpha == pytest.approx(1.0)
+    est.update(4, 1)  # 1 success, then a failure
+    assert (est.successes, est.trials) == (5, 6)
+    est.update(0, 0)  # k = 0 teaches nothing
+    assert (est.successes, est.trials) == (5, 6)
+    assert est.expected_tokens(2) == pytest.approx([1.0, 1 + 5 / 6, 1 + 5 / 6 + (5 / 6) ** 2])
+
+
+@pytest.mark.parametrize("alpha", [0.3, 0.7, 0.9])
+def test_estimator_converges_for_any_k(alpha):
+    est = AcceptanceEstimator(decay=0.999, change_threshold=0)
+    draw = geometric(alpha, seed=1)
+    for i in range(3000):
+        k = 1 + i % 8
+        est.update(k, draw(k, i))
+    assert est.alpha == pytest.approx(alpha, abs=0.03)
+
+
+def test_change_detection_tracks_a_drop_and_a_rise():
+    est = AcceptanceEstimator()
+    draw = geometric(0.9, seed=2)
+    for i in range(60):
+        est.update(8, draw(8, i))
+    assert est.alpha > 0.8
+    for i in range(4):  # acceptance collapses
+        est.update(8, 0)
+    assert est.alpha < 0.4 and est.changes >= 1
+    for i in range(4):  # ... and comes back (rounds of k = 2, all accepted)
+        est.update(2, 2)
+    assert est.alpha > 0.7
+
+
+# --- the adaptive policy -----------------------------------------------------------------------
+
+
+def test_drops_to_zero_on_zero_acceptance():
+    p = AdaptiveDraftLength()
+    ks = drive(p, 60, lambda k, i: 0)
+    assert ks[0] > 0  # nothing known yet: the initial k
+    assert ks[-20:].count(0) >= 15  # plain decoding, apart from rare probes
+    assert max(ks[-20:]) <= p.probe_k
+
+
+def test_climbs_on_full_acceptance():
+    p = AdaptiveDraftLength()
+    ks = drive(p, 12, lambda k, i: k)
+    assert ks == sorted(ks)
+    assert ks[-1] == 16
+    assert ks.index(16) <= 4
+
+
+def test_respects_server_and_request_bounds():
+    p = AdaptiveDraftLength(max_k=6)
+    ks = drive(p, 20, lambda k, i: k, max_k=16)
+    assert max(ks) == 6
+    assert p.choose(3) <= 3  # per-request / remaining-tokens bound
+    p.observe(RoundObservation(3, 3, *costs(3)))
+    assert p.choose(0) == 0
+    p.observe(RoundObservation(0, 0, *costs(0)))
+    ks = drive(p, 5, lambda k, i: k, max_k=2)
+    assert max(ks) <= 2
+
+
+def test_probes_after_a_while_at_zero_with_backoff():
+    p = AdaptiveDraftLength(probe_interval=4)
+    ks = drive(p, 300, lambda k, i: 0)
+    zero_from = next(i for i, k in enumerate(ks) if k == 0)
+    probes = [i for i in range(zero_from, len(ks)) if ks[i] > 0]
+    assert probes, "never probed"
+    assert all(ks[i] == p.probe_k for i in probes)
+    assert probes[0] - zero_from <= 4 + 1  # the first probe comes soon
+    gaps = [b - a for a, b in zip([zero_from - 1] + probes, probes)]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # failed probes back off ...
+    assert p.probe_interval <= p.probe_interval_cap()  # ... up to the cost-derived cap
+    # The cap keeps probing within the budget: extra probe cost / time between probes.
+    v = p.verify.curve(1)
+    extra = v[1] - v[0] + p.draft.predict(1)
+    assert extra / (gaps[-1] * v[0]) <= p.probe_budget * 1.5
+
+
+def test_notices_when_speculation_pays_again():
+    p = AdaptiveDraftLength()
+    drive(p, 100, lambda k, i: 0)
+    assert p.choose(16) in (0, p.probe_k)
+    p.observe(RoundObservation(0, 0, *costs(0)))
+    ks = drive(p, 40, lambda k, i: k)  # acceptance is back
+    first = next(i for i, k in enumerate(ks) if k > p.probe_k)
+    assert first <= p.probe_interval_cap() + 4
+    assert ks[-1] >= 12
+
+
+def test_no_speculation_when_drafting_is_too_expensive():
+    # alpha 0.5 with a draft token costing as much as a target step: k = 0 wins.
+    p = AdaptiveDraftLength()
+    ks = drive(p, 80, geometric(0.5), c=1.0)
+    assert ks[-30:].count(0) >= 25
+    # ... but with cheap drafts the same acceptance pays.
+    p = AdaptiveDraftLength()
+    ks = drive(p, 80, geometric(0.5), c=0.02)
+    assert min(ks[-30:]) >= 1
+
+
+def test_high_round_trip_favours_longer_drafts():
+    cheap = drive(AdaptiveDraftLength(), 80, geometric(0.8, 3), rtt=0.0)
+    slow = drive(AdaptiveDraftLength(), 80, geometric(0.8, 3), rtt=1.0)
+    assert sum(slow[-40:]) > sum(cheap[-40:])
+
+
+def test_warm_start_from_memory_changes_the_first_choice():
+    memory = AcceptanceMemory()
+    key = AcceptanceMemory.make_key("draft_model", "tiny-draft", "target")
+    cold = AdaptiveDraftLength(memory=memory, key=key)
+    assert not cold.warm_started
+    assert cold.choose(16) == cold.initial_k
+    drive(cold, 30, lambda k, i: k)
+    cold.close()
+    cold.close()  # idempotent
+    assert memory.get(key).sessions == 1
+    assert memory.get(key).alpha > 0.9
+
+    warm = memory.create(key)
+    assert warm.warm_started
+    assert warm.choose(16) >= 12  # knows drafting pays and costs are known
+
+    other = AcceptanceMemory.make_key("ngram", "", "target")
+    bad = AdaptiveDraftLength(memory=memory, key=other)
+    drive(bad, 40, lambda k, i: 0)
+    bad.close()
+    assert memory.create(other).choose(16) == 0  # recent sessions say: do not draft
+    assert memory.create(key).choose(16) >= 12  # keys do not mix
+    assert len(memory) == 2 and set(memory.summary()) == {str(key), str(other)}
+
+
+def test_memory_is_thread_safe_and_bounded():
+    memory = AcceptanceMemory(max_entries=4)
+
+    def worker(j: int) -> None:
+        for i in range(20):
+            p = memory.create(("m", str(j % 6), "t"))
+            drive(p, 5, lambda k, r: k)
+            p.close()
+
+    threads = [threading.Thread(target=worker, args=(j,)) for j in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(memory) == 4
+    assert sum(memory.get(("m", str(j), "t")).sessions for j in range(6) if memory.get(("m", str(j), "t"))) <= 120
+
+
+def test_decisions_are_deterministic():
+    def run():
+        p = AdaptiveDraftLength()
+        return drive(p, 200, geometric(0.6, seed=7))
+
+    assert run() == run()
+
+
+# --- cost models -------------------------------------------------------------------------------
+
+
+def test_verify_curve_interpolates_and_extrapolates_linear_costs():
+    m = VerifyCostModel()
+    for _ in range(10):
+        m.update(2, 1.1)
+        m.update(8, 1.4)
+    curve = m.curve(12)
+    assert curve[2] == pytest.approx(1.1)
+    assert curve[8] == pytest.approx(1.4)
+    assert curve[5] == pytest.approx(1.25)  # between seen k
+    assert curve[12] == pytest.approx(1.6)  # beyond: the fitted slope
+    assert curve[0] == pytest.approx(1.0)
+
+
+def test_verify_curve_is_monotone_and_keeps_a_measured_step():
+    m = VerifyCostModel()
+    for _ in range(20):
+        for k in range(0, 11):
+            m.update(k, 1.0 if k < 6 else 1.5)  # flat, then one step (a kernel tile)
+    m.update(3, 0.5)  # one outlier cannot make k = 3 cheaper than k = 2
+    curve = m.curve(12)
+    assert all(b >= a - 1e-12 for a, b in zip(curve, curve[1:]))
+    assert curve[5] == pytest.approx(1.0, abs=0.05)
+    assert curve[6] == pytest.approx(1.5, abs=0.05)
+    assert curve[12] == pytest.approx(1.5, abs=0.4)
+
+
+def test_verify_curve_single_point_uses_the_prior_slope():
+    m = VerifyCostModel(prior_slope=0.05)
+    assert m.curve(4) is None
+    m.update(4, 1.2)
+    curve = m.curve(8)
+    assert curve[4] == pytest.approx(1.2)
+    assert curve[0] < curve[4] < curve[8]
+    assert curve[0] == pytest.approx(1.0, rel=0.02)
+
+
+def test_verify_curve_shrinks_rare_k_towards_the_line():
+    m = VerifyCostModel()
+    for _ in range(30):
+        m.update(4, 1.2)
+        m.update(8, 1.4)
+    m.update(6, 2.0)  # a single unlucky measurement
+    assert m.curve(8)[6] < 1.65  # mostly the line (1.3), not the outlier
+
+
+def test_draft_cost_split_into_overhead_and_per_token():
+    m = DraftCostModel()
+    assert m.coefficients() is None
+    m.note_catch_up(4, 9.0)  # drafter catching up: only a fallback
+    assert m.coefficients() == (0.0, 9.0 / 4)
+    for k in (2, 6, 4, 8) * 5:
+        m.update(k, 0.5 + 0.1 * k)
+    overhead, per_token = m.coefficients()
+    assert overhead == pytest.approx(0.5)
+    assert per_token == pytest.approx(0.1)
+    assert m.predict(0) == 0.0
+
+
+def test_policy_learns_costs_from_observations():
+    p = AdaptiveDraftLength()
+    drive(p, 60, geometric(0.7, 5), rtt=0.2)
+    est = p.estimates()
+    assert est["draft_per_token_s"] == pytest.approx(0.1 * STEP, rel=0.15)
+    assert est["draft_overhead_s"] == pytest.approx(0.2 * STEP, rel=0.3)
+    v = est["verify_s"]
+    assert v[4] == pytest.approx((0.2 + 1.0 + 0.05 * 4) * STEP, rel=0.03)
+
+
+# --- in the real loop --------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_adaptive_policy_in_the_engine_keeps_output_exact(tiny_target):
+    from specdec.drafters import ScriptedDrafter
+    from specdec.engine import collect, run_sync
+    from specdec.local import LocalEngine
+    from specdec.sampling import DraftProposal, SamplingParams
+
+    ids = tiny_target.tokenizer("the quick brown fox", add_special_tokens=False)["input_ids"]
+    params = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
+    plain = run_sync(collect(LocalEngine(tiny_target).stream(ids, params)))
+    truth = ids + plain.token_ids
+    vocab = tiny_target.vocab_size
+
+    def right(tokens, k, p):
+        return DraftProposal(truth[len(tokens) : len(tokens) + k], None)
+
+    def wrong(tokens, k, p):
+        return DraftProposal([(truth[len(tokens) + j] + 1) % vocab for j in range(k)], None)
+
+    memory = AcceptanceMemory()
+    for script, name in ((right, "right"), (wrong, "wrong")):
+        key = AcceptanceMemory.make_key("scripted", name, "tiny")
+        for _ in range(2):  # the second session starts from the first one's memory
+            policy = make_policy(0, memory=memory, key=key, max_k=16)
+            engine = LocalEngine(tiny_target, ScriptedDrafter(script))
+            try:
+                result = run_sync(collect(engine.stream(ids, params, policy=policy)))
+            finally:
+                policy.close()
+            assert result.token_ids == plain.token_ids  # k never changes the output
+            history = result.stats.k_history
+            assert all(0 <= k <= 16 for k in history)
+        if name == "right":
+            assert max(history) >= 8 and result.stats.acceptance_rate == 1.0
+        else:
+            assert result.stats.accepted_tokens == 0
+    assert memory.get(AcceptanceMemory.make_key("scripted", "right", "tiny")).alpha > 0.9
+    assert memory.get(AcceptanceMemory.make_key("scripted", "wrong", "tiny")).alpha < 0.1
