@@ -8,22 +8,22 @@ from specdec.completion import Chunk, CompletionBuilder
 from specdec.drafters import Drafter
 from specdec.engine import GenerationResult, LocalDrafter, LocalVerifier, generate
 from specdec.models import LoadedModel
-from specdec.policy import DraftLengthPolicy, FixedDraftLength, HeuristicDraftLength
+from specdec.policy import AcceptanceMemory, DraftLengthPolicy, make_policy
 from specdec.sampling import SamplingParams, with_random_seed
 from specdec.verification import TargetSession
-
-
-def make_policy(num_draft_tokens: int) -> DraftLengthPolicy:
-    """0 means adaptive."""
-    return HeuristicDraftLength() if num_draft_tokens == 0 else FixedDraftLength(num_draft_tokens)
 
 
 class LocalEngine:
     """A target and an optional drafter in this process."""
 
-    def __init__(self, target: LoadedModel, drafter: Drafter | None = None) -> None:
+    def __init__(self, target: LoadedModel, drafter: Drafter | None = None, max_draft_tokens: int = 16) -> None:
         self.target = target
         self.drafter = drafter
+        self.max_draft_tokens = max_draft_tokens
+        # Adaptive draft lengths start from what recent sessions of this pair learned.
+        self.memory = AcceptanceMemory()
+        draft_model = getattr(getattr(drafter, "lm", None), "name", "")
+        self.memory_key = AcceptanceMemory.make_key(drafter.name if drafter else "none", draft_model, target.name)
 
     async def stream(
         self,
@@ -34,6 +34,8 @@ class LocalEngine:
     ) -> AsyncIterator[Chunk | GenerationResult]:
         params.validate()
         params = with_random_seed(params)
+        policy = policy or make_policy(num_draft_tokens, memory=self.memory, key=self.memory_key,
+                                       max_k=self.max_draft_tokens)
         target_session = TargetSession(self.target, prompt_ids, params)
         draft_session = self.drafter.start(prompt_ids, params) if self.drafter else None
         try:
@@ -42,13 +44,14 @@ class LocalEngine:
                 completion=CompletionBuilder(self.target.tokenizer, params, self.target.eos_token_ids),
                 verifier=LocalVerifier(target_session),
                 drafter=LocalDrafter(draft_session) if draft_session else None,
-                policy=policy or make_policy(num_draft_tokens),
+                policy=policy,
                 draft_method=self.drafter.name if self.drafter else "none",
                 max_context=self.target.max_positions,
             )
             async for event in events:
                 yield event
         finally:
+            policy.close()
             target_session.close()
             if draft_session is not None:
                 draft_session.close()
