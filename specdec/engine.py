@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -68,10 +68,15 @@ class GenerationStats:
         return self.completion_tokens / self.total_s if self.total_s > 0 else 0.0
 
     def record_round(self, k: int, verdict: Verdict, emitted: int) -> None:
-        """Count a verified round; ``emitted`` is how many of its tokens survived the stop check."""
+        """Count a verified round; ``emitted`` is how many of its tokens survived the stop check.
+
+        A stop inside the block ends the count there: drafts past the stop are neither drafted
+        nor accepted for the stats (``k_history`` keeps the k that was asked for)."""
         accepted = min(verdict.num_accepted, emitted)
         self.rounds += 1
         self.k_history.append(k)
+        if emitted < len(verdict.tokens):
+            k = min(k, emitted)
         self.draft_tokens += k
         self.accepted_tokens += accepted
         self.emitted_in_rounds += emitted
@@ -102,6 +107,20 @@ class GenerationStats:
 
 
 @dataclass
+class RoundRecord:
+    """One verification round, handed to ``generate(on_round=...)`` (tracing, metrics)."""
+
+    round: int  # 1-based, as counted in the stats
+    k: int  # draft length the policy chose
+    drafted: int  # drafts actually verified (a failed drafter proposes none)
+    accepted: int  # accepted drafts, as counted in the stats (cut at the finish point)
+    emitted: int  # tokens this round committed that survived the stop check
+    draft_s: float  # time in drafter.propose (0 when k = 0)
+    verify_s: float  # time in verifier.verify
+    started: float  # time.perf_counter() when the round began
+
+
+@dataclass
 class GenerationResult:
     """The final event of a generation."""
 
@@ -121,8 +140,13 @@ async def generate(
     policy: DraftLengthPolicy,
     draft_method: str = "none",
     max_context: int | None = None,
+    on_round: Callable[[RoundRecord], None] | None = None,
 ) -> AsyncIterator[Chunk | GenerationResult]:
-    """Run one generation; yields ``Chunk``s as tokens commit, then one ``GenerationResult``."""
+    """Run one generation; yields ``Chunk``s as tokens commit, then one ``GenerationResult``.
+
+    ``on_round``, if given, is called once per verification round (observability hooks; the
+    loop itself never depends on it).
+    """
     stats = GenerationStats(draft_method=draft_method if drafter is not None else "none")
     start = time.perf_counter()
     verdict = await verifier.prefill()
@@ -153,6 +177,10 @@ async def generate(
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
         stats.record_round(drafted, verdict, len(chunk.token_ids))
+        if on_round is not None:
+            emitted = len(chunk.token_ids)
+            on_round(RoundRecord(stats.rounds, k, drafted, min(verdict.num_accepted, emitted), emitted,
+                                 t1 - t0, t2 - t1, t0))
         policy.observe(RoundObservation(drafted, verdict.num_accepted, t1 - t0, t2 - t1))
         yield chunk
     stats.total_s = time.perf_counter() - start

@@ -32,3 +32,24 @@ def embedded_target():
     from specdec.models import load_model
 
     return load_model("embedded", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_noisy_draft(tiny_pair):
+    """The tiny target plus small gaussian noise: greedy drafts agree ~70% of the time."""
+    from specdec.models import load_model
+    from tests.tiny_models import build_noisy_copy
+
+    target_dir = tiny_pair[1]
+    path = build_noisy_copy(target_dir.parent / "noisy", target_dir, noise_std=0.01)
+    return load_model(str(path), device="cpu")
+
+
+@pytest.fixture
+def one_thread():
+    """Run a test on one intra-op thread: the tiny models are dominated by per-op overhead, and
+    two OpenMP threads on a busy 2-core machine spin-wait (runs 5x slower or worse)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -96,19 +96,23 @@ class Stack:
 
 
 def start_stack(target: Path | str, draft: Path | str | None, log_dir: Path, *, verifiers: int = 1,
-                gateway_args: list[str] = (), verifier_args: list[str] = (), metrics: bool = False) -> Stack:
-    """A verifier (or several), a model drafter (if ``draft``) and a gateway over them."""
-    vs = [start_service("verifier", ["--target", str(target), *verifier_args], log_dir, name=f"verifier{i}", metrics=metrics)
+                gateway_args: list[str] = (), verifier_args: list[str] = (), metrics: bool = False,
+                env: dict | None = None) -> Stack:
+    """A verifier (or several), a model drafter (if ``draft``) and a gateway over them; ``env`` is
+    added to every service's environment."""
+    vs = [start_service("verifier", ["--target", str(target), *verifier_args], log_dir, name=f"verifier{i}",
+                        metrics=metrics, env=env)
           for i in range(verifiers)]
     ds = []
     if draft is not None:
-        ds.append(start_service("drafter", ["--method", "model", "--draft-model", str(draft)], log_dir, metrics=metrics))
+        ds.append(start_service("drafter", ["--method", "model", "--draft-model", str(draft)], log_dir, metrics=metrics,
+                                env=env))
     gw_args = ["--target", str(target), *gateway_args]
     for v in vs:
         gw_args += ["--verifier", v.address]
     for d in ds:
         gw_args += ["--drafter", d.address]
-    gw = start_service("gateway", gw_args, log_dir, metrics=metrics)
+    gw = start_service("gateway", gw_args, log_dir, metrics=metrics, env=env)
     stack = Stack(gw, vs, ds)
     try:
         for service in stack.all:

@@ -98,7 +98,7 @@ def build_pair(root: Path) -> tuple[Path, Path, Path]:
     return tok_dir, target_dir, draft_dir
 
 
-def build_noisy_copy(directory: Path, source_dir: Path, *, noise_std: float = 0.05, seed: int = 2) -> Path:
+def build_noisy_copy(directory: Path, source_dir: Path, *, noise_std: float = 0.01, seed: int = 2) -> Path:
     """The model at ``source_dir`` with gaussian noise (``noise_std`` times each tensor's own std)
     added to every weight: a draft close to the target that agrees often but not always, so
     blocks are partially accepted and rolled back."""

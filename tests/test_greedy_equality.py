@@ -1,0 +1,250 @@
+"""Greedy speculative decoding is token-identical to the target alone (HF ``generate``).
+
+Every draft method and draft length must give exactly the target's greedy tokens; the target as
+its own draft must accept everything; drafts that are partly right must make the loop reject
+and roll back many times (and still match). KV rollback keeps the accepted prefix.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specdec.drafters import ModelDrafter, NgramDrafter, ScriptedDrafter
+from specdec.engine import collect, run_sync
+from specdec.kv import KVSession
+from specdec.local import LocalEngine
+from specdec.policy import FixedDraftLength, RoundObservation
+from specdec.prompts import encode_chat
+from specdec.sampling import DraftProposal, SamplingParams
+from specdec.verification import TargetSession
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW_TOKENS = 64
+
+PROMPTS = [
+    "the quick brown fox",
+    "the quick brown fox jumps over the lazy dog",
+    "def add(a, b):\n",
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):",
+    "for i in range(10):\n    print(i * i)\n",
+    "Hello! How can I help you today?",
+    "speculative decoding drafts tokens",
+    "the target verifies them in one pass",
+    "exactness is sacred: greedy outputs are token identical",
+    "numbers 0 1 2 3 4 5 6 7 8 9",
+    "letters a b c d e f g",
+    "ünïcödé bytes: 日本語のテキスト",
+    "emoji 🎉 and accents é à ç",
+    "a",
+    "the the the the the the",
+    "1 2 1 2 1 2 1 2",
+    "I am a small assistant. I am a small",
+    "print(i)",
+    "lazy dog lazy dog lazy",
+    "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n",
+    "quick quick brown brown fox fox",
+]
+
+
+def hf_greedy(lm, prompt_ids: list[int], new_tokens: int) -> list[int]:
+    """The target alone through transformers' ``generate``.
+
+    ``eos_token_id=None`` so that EOS neither stops the reference nor is suppressed: the engine's
+    ``ignore_eos`` keeps generating past EOS but still emits it (``min_new_tokens`` would instead
+    forbid EOS, changing the greedy tokens wherever the argmax is EOS).
+    """
+    input_ids = torch.tensor([prompt_ids])
+    output = lm.model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        eos_token_id=None,
+        pad_token_id=lm.tokenizer.pad_token_id,
+    )
+    return output[0, len(prompt_ids) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def references(tiny_target):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    refs = []
+    for text in PROMPTS:
+        ids = tiny_target.tokenizer(text, add_special_tokens=False)["input_ids"]
+        refs.append((ids, hf_greedy(tiny_target, ids, NEW_TOKENS)))
+    torch.set_num_threads(threads)
+    return refs
+
+
+class RecordingPolicy(FixedDraftLength):
+    """A fixed draft length that records every round's outcome."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__(k)
+        self.rounds: list[RoundObservation] = []
+
+    def observe(self, outcome: RoundObservation) -> None:
+        self.rounds.append(outcome)
+
+
+def corrupting_script(prompt_ids: list[int], reference: list[int], vocab: int, rate: float = 0.3):
+    """Propose the true continuation with random corruptions (and sometimes a shorter block)."""
+    truth = prompt_ids + reference
+
+    def script(tokens: list[int], k: int, params: SamplingParams) -> DraftProposal:
+        position = len(tokens)
+        rng = random.Random(position * 7919 + k)
+        length = k if rng.random() < 0.8 else rng.randint(0, k)
+        drafts = []
+        for j in range(length):
+            true = truth[position + j] if position + j < len(truth) else rng.randrange(vocab)
+            drafts.append((true + rng.randrange(1, vocab)) % vocab if rng.random() < rate else true)
+        return DraftProposal(drafts, None)
+
+    return script
+
+
+DRAFTERS = ["tiny_random_draft", "ngram", "target_itself", "scripted_corrupted", "noisy_copy"]
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_greedy_speculative_equals_target_generate(kind, k, references, tiny_target, tiny_draft, tiny_noisy_draft):
+    assert len(references) >= 20
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    fixed = {
+        "tiny_random_draft": ModelDrafter(tiny_draft),
+        "ngram": NgramDrafter(),
+        "target_itself": ModelDrafter(tiny_target),
+        "noisy_copy": ModelDrafter(tiny_noisy_draft),
+    }
+
+    async def run_all():
+        out = []
+        for ids, reference in references:
+            if kind == "scripted_corrupted":
+                drafter = ScriptedDrafter(corrupting_script(ids, reference, tiny_target.vocab_size))
+            else:
+                drafter = fixed[kind]
+            policy = RecordingPolicy(k)
+            result = await collect(LocalEngine(tiny_target, drafter).stream(ids, params, policy=policy))
+            out.append((ids, reference, result, policy.rounds))
+        return out
+
+    all_rounds = []
+    for ids, reference, result, rounds in run_sync(run_all()):
+        assert result.token_ids == reference, f"prompt {ids}"
+        assert result.finish_reason == "length"
+        stats = result.stats
+        assert stats.completion_tokens == NEW_TOKENS == 1 + stats.emitted_in_rounds
+        assert stats.rounds == len(rounds) and stats.draft_tokens == sum(r.num_drafts for r in rounds)
+        assert stats.accepted_tokens == sum(r.num_accepted for r in rounds)
+        assert all(r.num_drafts <= k for r in rounds)
+        if kind == "target_itself":
+            assert stats.acceptance_rate == 1.0
+            assert stats.draft_tokens > 0
+        all_rounds.extend(rounds)
+    drafted_rounds = [r for r in all_rounds if r.num_drafts]
+    assert drafted_rounds, "speculation never happened"
+    if kind in ("scripted_corrupted", "noisy_copy"):
+        rejected = [r for r in drafted_rounds if r.num_accepted < r.num_drafts]
+        accepted = [r for r in drafted_rounds if r.num_accepted > 0]
+        assert len(rejected) >= 20 and len(accepted) >= 20, (len(rejected), len(accepted))
+        if k > 1:  # rollbacks that keep part of the block
+            partial = [r for r in drafted_rounds if 0 < r.num_accepted < r.num_drafts]
+            assert len(partial) >= 10, len(partial)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV rollback
+
+
+def test_kv_rollback_matches_a_fresh_forward(tiny_target):
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, tiny_target.vocab_size, (12,), generator=g).tolist()
+    branch_a = torch.randint(0, tiny_target.vocab_size, (5,), generator=g).tolist()
+    branch_b = torch.randint(0, tiny_target.vocab_size, (4,), generator=g).tolist()
+    session = KVSession(tiny_target)
+    session.forward(prefix + branch_a, num_logits=6)
+    assert session.cache.get_seq_length() == len(prefix + branch_a)
+    rolled = session.forward(prefix + branch_b, num_logits=5)
+    assert session.cache.get_seq_length() == len(prefix + branch_b) == len(session)
+    fresh = KVSession(tiny_target).forward(prefix + branch_b, num_logits=5)
+    assert torch.allclose(rolled, fresh, atol=1e-5)
+    # Rolling back into the prefix itself, and asking for logits of already cached positions.
+    again = session.forward(prefix[:8], num_logits=3)
+    assert torch.allclose(again, KVSession(tiny_target).forward(prefix[:8], num_logits=3), atol=1e-5)
+    assert session.cache.get_seq_length() == 8
+    with pytest.raises(ValueError):
+        session.forward(prefix, num_logits=0)
+
+
+def test_verification_feeds_only_the_new_suffix(tiny_target, tiny_noisy_draft, references, monkeypatch):
+    """After each verification the target keeps the accepted prefix in its cache and is fed
+    exactly the pending token plus the k new drafts; the draft model is fed at most 2 tokens."""
+    fed: list[tuple[str, int, int]] = []
+
+    def recording(lm, tag):
+        original = lm.forward
+
+        def forward(input_ids, cache, num_logits):
+            before = cache.get_seq_length()
+            logits = original(input_ids, cache, num_logits)
+            assert cache.get_seq_length() == before + len(input_ids)
+            fed.append((tag, len(input_ids), before))
+            return logits
+
+        return forward
+
+    monkeypatch.setattr(tiny_target, "forward", recording(tiny_target, "target"))
+    monkeypatch.setattr(tiny_noisy_draft, "forward", recording(tiny_noisy_draft, "draft"))
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    ids, reference = references[1]
+    k = 4
+    target = TargetSession(tiny_target, ids, params)
+    drafter = ModelDrafter(tiny_noisy_draft).start(ids, params)
+    verdict = target.prefill()
+    assert fed == [("target", len(ids), 0)]
+    partial_rounds = 0
+    while len(target.tokens) - len(ids) < NEW_TOKENS:
+        drafter.extend(verdict.tokens)
+        fed.clear()
+        proposal = drafter.propose(k)
+        draft_feeds = [n for tag, n, _ in fed if tag == "draft"]
+        assert len(draft_feeds) == k
+        if len(drafter.tokens) > len(ids) + 1:
+            assert max(draft_feeds) <= 2, draft_feeds
+        committed = len(target.tokens)
+        fed.clear()
+        verdict = target.verify(proposal)
+        assert fed == [("target", 1 + k, committed - 1)], fed
+        partial_rounds += 0 < verdict.num_accepted < k
+    assert target.tokens[len(ids) : len(ids) + NEW_TOKENS] == reference
+    assert partial_rounds > 0
+    target.close()
+    drafter.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The real embedded target
+
+
+@pytest.mark.embedded
+def test_embedded_target_greedy_equals_generate(embedded_target):
+    lm = embedded_target
+    prompt = encode_chat(lm.tokenizer, [("user", "List three facts about the moon, one per line.")])
+    reference = hf_greedy(lm, prompt, NEW_TOKENS)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    for drafter, k in ((NgramDrafter(), 4), (ModelDrafter(lm), 8)):
+        result = run_sync(collect(LocalEngine(lm, drafter).stream(prompt, params, num_draft_tokens=k)))
+        assert result.token_ids == reference, drafter.name
+        assert result.stats.rounds > 0
+        if isinstance(drafter, ModelDrafter):  # the target as its own draft
+            assert result.stats.acceptance_rate == 1.0
