@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+from specdec import telemetry
 from specdec.drafters import Drafter, DraftSession, ModelDrafter, NgramDrafter
 from specdec.models import LoadedModel, load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.rpc import convert
@@ -28,6 +30,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.metrics = ServiceMetrics(runtime.registry, "drafter")
         self.sessions = SessionRegistry(max_sessions, self.metrics)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-model")
+        telemetry.current().observe_active_sessions("drafter", lambda: len(self.sessions))
 
     async def load(self, method: str, draft_model: str | None, device: str | None = None) -> None:
         loop = asyncio.get_running_loop()
@@ -64,8 +67,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         drafter = self._require_drafter()
         key = None
         session: DraftSession | None = None
+        trace = telemetry.current().session_trace(context, SERVICE_NAME, "Draft", "drafter")  # None: off
         try:
             async for request in request_iterator:
+                received = time.perf_counter()
                 kind = request.WhichOneof("kind")
                 if kind == "start":
                     if session is not None:
@@ -77,6 +82,11 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                     session = drafter.start(prompt, params)
                     key = self.sessions.open(start.session_id, session)
                     await self._run(session.prefill)
+                    if trace is not None:
+                        trace.set(session_id=key, prompt_tokens=len(prompt), **{"draft.method": drafter.name})
+                        if self.lm is not None:
+                            trace.set(**{"draft.model": self.lm.name})
+                        trace.step("prefill", received, prompt_tokens=len(prompt))
                     yield drafter_pb2.DraftResponse(started=drafter_pb2.DraftStarted(session_id=key))
                 elif kind == "propose":
                     if session is None:
@@ -92,14 +102,24 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                         self._validate_ids(committed, "committed_token_ids")
                     proposal = await self._run(self._propose, session, committed, k)
                     self.metrics.tokens.inc(len(proposal))
-                    yield drafter_pb2.DraftResponse(
-                        proposal=drafter_pb2.DraftProposal(round=propose.round, **convert.proposal_fields(proposal))
-                    )
+                    if trace is not None:
+                        trace.step("propose", received, round=propose.round, k=k, drafted=len(proposal),
+                                   committed=len(committed))
+                    yield drafter_pb2.DraftResponse(proposal=drafter_pb2.DraftProposal(
+                        round=propose.round, service_time_us=int((time.perf_counter() - received) * 1e6),
+                        **convert.proposal_fields(proposal),
+                    ))
                 else:
                     raise ValueError("kind: set start or propose")
+        except BaseException as exc:
+            if trace is not None:
+                trace.fail(exc)
+            raise
         finally:
             if key is not None:
                 self.sessions.close(key)
+            if trace is not None:
+                trace.end()
 
     def _validate_ids(self, ids: list[int], field: str) -> None:
         if self.lm is not None:

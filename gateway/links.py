@@ -51,6 +51,8 @@ class RemoteVerifier:
         self.prompt_ids = prompt_ids
         self.params = params
         self.round = 0
+        self.prefill_service_s = 0.0  # time inside the verifier, from its service_time_us (tracing)
+        self.service_s = 0.0
 
     async def prefill(self) -> Verdict:
         start = verifier_pb2.VerifyStart(
@@ -59,13 +61,17 @@ class RemoteVerifier:
             sampling=convert.sampling_to_pb(self.params),
         )
         await self.call.write(verifier_pb2.VerifyRequest(start=start))
-        return convert.verdict_from_pb(await _read(self.call, "verifier"))
+        response = await _read(self.call, "verifier")
+        self.prefill_service_s = response.service_time_us * 1e-6
+        return convert.verdict_from_pb(response)
 
     async def verify(self, proposal: DraftProposal) -> Verdict:
         self.round += 1
         block = verifier_pb2.VerifyBlock(round=self.round, **convert.proposal_fields(proposal))
         await self.call.write(verifier_pb2.VerifyRequest(block=block))
-        return convert.verdict_from_pb(await _read(self.call, "verifier"))
+        response = await _read(self.call, "verifier")
+        self.service_s += response.service_time_us * 1e-6
+        return convert.verdict_from_pb(response)
 
     async def close(self) -> None:
         await _close(self.call)
@@ -86,6 +92,7 @@ class RemoteDrafter:
         self.params = params
         self.draft_top_k = draft_top_k
         self.round = 0
+        self.service_s = 0.0  # time inside the drafter, from its service_time_us (tracing)
         self.broken: BaseException | None = None
         self._start_task: asyncio.Task | None = None
 
@@ -116,6 +123,7 @@ class RemoteDrafter:
             )
             await self.call.write(drafter_pb2.DraftRequest(propose=propose))
             response = await _read(self.call, "drafter")
+            self.service_s += response.proposal.service_time_us * 1e-6
             return convert.proposal_from_pb(response.proposal)
         except (grpc.aio.AioRpcError, ConnectionError, ValueError, grpc.aio.UsageError) as exc:
             log.warning("drafter failed for session %s (%s); continuing without drafts", self.session_id, exc)
@@ -127,3 +135,87 @@ class RemoteDrafter:
         if self._start_task is not None and not self._start_task.done():
             self._start_task.cancel()
         await _close(self.call)
+
+
+# Failures that mean "this verifier is gone", not "this request is bad".
+_MIGRATABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+               grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED}
+
+
+class MigratingVerifier:
+    """``VerifierLink`` that survives the loss of its verifier while another replica is ready.
+
+    It tracks the committed text (prompt + tokens so far). When the stream breaks, it opens a
+    session on another replica whose prompt is that committed text; the new session's prefill
+    yields the next token, exactly the token plain decoding would produce there (random draws are
+    keyed by absolute position, so sampling continues identically distributed). The round whose
+    drafts were in flight counts as fully rejected. With no other replica, the error propagates
+    (the client gets UNAVAILABLE after the tokens already streamed).
+    """
+
+    def __init__(self, pool, backend, session_id: str, prompt_ids: list[int], params: SamplingParams,
+                 remaining_s, metadata=None) -> None:
+        self.pool = pool
+        self.session_id = session_id
+        self.params = params
+        self.remaining_s = remaining_s  # callable: the client's remaining deadline, or None
+        self.metadata = metadata
+        self.committed: list[int] = list(prompt_ids)
+        self.migrations = 0
+        self.backend = backend
+        self.link = self._open(backend, self.committed)
+
+    def _open(self, backend, prompt_ids: list[int]) -> RemoteVerifier:
+        backend.in_flight += 1
+        return RemoteVerifier(backend.stub, self.session_id, list(prompt_ids), self.params,
+                              self.remaining_s(), self.metadata)
+
+    async def _migrate(self, error: BaseException) -> Verdict:
+        failed = self.backend
+        replacement = self.pool.pick(exclude={failed.address})
+        if replacement is None:
+            raise error
+        log.warning("verifier %s failed for session %s (%s); re-prefilling %d tokens on %s",
+                    failed.address, self.session_id, error, len(self.committed), replacement.address)
+        failed.in_flight -= 1
+        failed.info = None  # not ready until its next successful refresh
+        self.link.call.cancel()
+        self.backend = replacement
+        self.link = self._open(replacement, self.committed)
+        self.migrations += 1
+        return await self.link.prefill()
+
+    async def _guarded(self, operation) -> Verdict:
+        try:
+            return await operation()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in _MIGRATABLE:
+                raise
+            return await self._migrate(exc)
+        except ConnectionError as exc:
+            return await self._migrate(exc)
+
+    async def prefill(self) -> Verdict:
+        verdict = await self._guarded(self.link.prefill)
+        self.committed.extend(verdict.tokens)
+        return verdict
+
+    async def verify(self, proposal: DraftProposal) -> Verdict:
+        link = self.link
+        verdict = await self._guarded(lambda: link.verify(proposal))
+        if self.link is not link:  # migrated mid-round: the drafts in flight count as rejected
+            verdict = Verdict(len(proposal), 0, verdict.tokens, verdict.committed_length)
+        self.committed.extend(verdict.tokens)
+        return verdict
+
+    @property
+    def service_s(self) -> float:
+        return getattr(self.link, "service_s", 0.0)
+
+    @property
+    def prefill_service_s(self) -> float:
+        return getattr(self.link, "prefill_service_s", 0.0)
+
+    async def close(self) -> None:
+        self.backend.in_flight -= 1
+        await self.link.close()

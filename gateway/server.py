@@ -14,16 +14,16 @@ from specdec import telemetry
 from specdec.completion import CompletionBuilder
 from specdec.drafters import NgramDrafter
 from specdec.engine import GenerationResult, LocalDrafter, generate
-from specdec.local import make_policy
 from specdec.models import load_tokenizer, tokenizer_fingerprint
+from specdec.policy import AcceptanceMemory, make_policy
 from specdec.prompts import encode_chat, encode_text
 from specdec.rpc import convert
-from specdec.rpc.server import NotReady, Overloaded, ServeOptions, ServiceRuntime, channel_options, map_errors
+from specdec.rpc.server import NotReady, Overloaded, ServeOptions, ServiceRuntime, map_errors, open_channel
 from specdec.rpc.sessions import ServiceMetrics
 from specdec.sampling import with_random_seed
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
-from gateway.links import RemoteDrafter, RemoteVerifier
+from gateway.links import MigratingVerifier, RemoteDrafter
 
 log = logging.getLogger("specdec.gateway")
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
@@ -64,8 +64,9 @@ class Backend:
 class BackendPool:
     """The replicas of one role: static addresses or a live EndpointSlice set, refreshed by GetInfo."""
 
-    def __init__(self, role: str, stub_cls, max_message_bytes: int) -> None:
+    def __init__(self, role: str, stub_cls, max_message_bytes: int, tls=None) -> None:
         self.role = role
+        self.tls = tls
         self.stub_cls = stub_cls
         self.max_message_bytes = max_message_bytes
         self.backends: list[Backend] = []
@@ -78,7 +79,7 @@ class BackendPool:
                 backend.removed = True  # new sessions avoid it; open ones finish there
         known = {b.address for b in self.backends if not b.removed}
         for address in sorted(wanted - known):
-            channel = grpc.aio.insecure_channel(address, options=channel_options(self.max_message_bytes))
+            channel = open_channel(address, self.tls, self.max_message_bytes)
             self.backends.append(Backend(address=address, channel=channel, stub=self.stub_cls(channel)))
         for backend in [b for b in self.backends if b.removed and b.in_flight == 0]:
             self.backends.remove(backend)
@@ -114,9 +115,9 @@ class BackendPool:
         return [b for b in self.backends
                 if b.info is not None and not b.removed and (method is None or b.info.method == method)]
 
-    def pick(self, method: str | None = None) -> Backend | None:
-        """The least-loaded ready replica (of ``method`` if given)."""
-        ready = self.ready(method)
+    def pick(self, method: str | None = None, exclude: set[str] = frozenset()) -> Backend | None:
+        """The least-loaded ready replica (of ``method`` if given, not in ``exclude``)."""
+        ready = [b for b in self.ready(method) if b.address not in exclude]
         if not ready:
             return None
         backend = min(ready, key=lambda b: b.load)
@@ -142,12 +143,16 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.active = 0
         self.eos_token_ids: tuple[int, ...] = ()
         self.max_positions = 1 << 30
+        # Warm starts for adaptive draft lengths, per (draft method, draft model, target model).
+        self.acceptance_memory = AcceptanceMemory()
 
     # -- startup -------------------------------------------------------------------------------
-    async def connect(self, poll_s: float = 0.5, refresh_s: float = 2.0) -> None:
-        """Serve once a verifier is ready; then keep every replica's readiness and load fresh."""
+    async def connect(self, poll_s: float = 0.5, refresh_s: float = 2.0, startup_wait_s: float = 15.0) -> None:
+        """Serve once every configured replica is ready (or, after ``startup_wait_s``, once any
+        verifier is); then keep every replica's readiness and load fresh."""
         self.verifiers.fingerprint = self.drafters.fingerprint = self.fingerprint
         serving = False
+        started = asyncio.get_running_loop().time()
         while True:
             await asyncio.gather(self.verifiers.refresh(), self.drafters.refresh())
             ready = self.verifiers.ready()
@@ -155,10 +160,12 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 model = ready[0].info.model
                 self.eos_token_ids = tuple(model.eos_token_ids)
                 self.max_positions = model.max_positions or self.max_positions
-            if bool(ready) != serving:
-                serving = bool(ready)
-                await self.runtime.set_serving(serving)
             all_ready = all(b.info is not None for b in self.verifiers.backends + self.drafters.backends)
+            waited = asyncio.get_running_loop().time() - started > startup_wait_s
+            should_serve = bool(ready) and (serving or all_ready or waited)
+            if should_serve != serving:
+                serving = should_serve
+                await self.runtime.set_serving(serving)
             await asyncio.sleep(refresh_s if serving and all_ready else poll_s)
 
     # -- request validation ----------------------------------------------------------------------
@@ -199,8 +206,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         method = request.speculation.method or "auto"
         if method not in METHODS:
             raise ValueError(f"speculation.method: {method!r} is not one of {', '.join(METHODS)}")
-        if method == "model" and not self.drafters.ready("model"):
-            raise ValueError("speculation.method: 'model' needs a model drafter service and none is configured")
+        if method == "model" and not self.drafters.backends:
+            raise ValueError("speculation.method: 'model' needs a drafter service and none is configured")
         k = request.speculation.num_draft_tokens
         if k > limits.max_draft_tokens:
             raise ValueError(f"speculation.num_draft_tokens: {k} exceeds the limit of {limits.max_draft_tokens}")
@@ -244,8 +251,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.active += 1
         self.metrics.active_sessions.set(self.active)
         self.metrics.requests.inc()
-        verifier_backend.in_flight += 1
-        verifier = RemoteVerifier(verifier_backend.stub, request_id, prompt_ids, params, timeout, metadata)
+        verifier = MigratingVerifier(self.verifiers, verifier_backend, request_id, prompt_ids, params,
+                                     context.time_remaining, metadata)
         drafter_link, drafter_backend, remote_drafter = None, None, None
         if method in ("model", "ngram"):
             # A drafter service of that method if one runs; n-gram lookup can also run right here.
@@ -260,6 +267,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         obs.links(verifier, drafter_link, verifier_backend.address,
                   drafter_backend.address if drafter_backend is not None else None,
                   (drafter_backend.info.model.model or None) if drafter_backend is not None else None)
+        draft_model = drafter_backend.info.model.model if drafter_backend is not None else ""
+        policy = make_policy(k, memory=self.acceptance_memory, max_k=self.limits.max_draft_tokens,
+                             key=AcceptanceMemory.make_key(method, draft_model, verifier_backend.info.model.model))
         try:
             obs.generation_started()
             events = generate(
@@ -267,7 +277,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 completion=CompletionBuilder(self.tokenizer, params, self.eos_token_ids),
                 verifier=verifier,
                 drafter=drafter_link,
-                policy=make_policy(k),
+                policy=policy,
                 draft_method=method,
                 max_context=self.max_positions,
                 on_round=obs.on_round,
@@ -289,9 +299,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     yield gateway_pb2.GenerateResponse(request_id=request_id, token_ids=event.token_ids, text=event.text)
         finally:
             # Finish, client cancel, deadline or error: release both downstream sessions.
+            policy.close()
             self.active -= 1
             self.metrics.active_sessions.set(self.active)
-            verifier_backend.in_flight -= 1
             closers = [verifier.close()]
             if remote_drafter is not None:
                 drafter_backend.in_flight -= 1
@@ -307,8 +317,8 @@ async def serve(target: str, verifier_addresses: list[str], drafter_addresses: l
     runtime = ServiceRuntime(SERVICE_NAME, options)
     loop = asyncio.get_running_loop()
     tokenizer = await loop.run_in_executor(None, load_tokenizer, target)
-    verifiers = BackendPool("verifier", verifier_pb2_grpc.VerifierStub, options.max_message_bytes)
-    drafters = BackendPool("drafter", drafter_pb2_grpc.DrafterStub, options.max_message_bytes)
+    verifiers = BackendPool("verifier", verifier_pb2_grpc.VerifierStub, options.max_message_bytes, options.tls)
+    drafters = BackendPool("drafter", drafter_pb2_grpc.DrafterStub, options.max_message_bytes, options.tls)
     verifiers.set_addresses(verifier_addresses)
     drafters.set_addresses(drafter_addresses)
     watchers = []

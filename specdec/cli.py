@@ -38,6 +38,15 @@ def _add_serve_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight streams get on SIGTERM")
     p.add_argument("--max-sessions", type=int, default=64)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate (env SPECDEC_TLS_CERT); serves TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key (env SPECDEC_TLS_KEY)")
+    p.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify peers (env SPECDEC_TLS_CA)")
+    p.add_argument("--tls-client-auth", action="store_true", help="require client certificates signed by --tls-ca (mTLS)")
+    p.add_argument("--otlp-endpoint", default=None,
+                   help="OTLP/gRPC collector for traces and metrics, e.g. http://localhost:4317 "
+                        "(default $OTEL_EXPORTER_OTLP_ENDPOINT; telemetry is off when neither is set)")
+    p.add_argument("--trace-detail", choices=["request", "round"], default=os.environ.get("SPECDEC_TRACE_DETAIL", "request"),
+                   help="request: one span per request/stream, rounds as events; round: a span per round")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--target", default=DEFAULT_TARGET, help="target model: hub id, local dir or 'embedded'")
     gen.add_argument("--draft-model", default=None, help="draft model: hub id or local dir")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds (gateway mode)")
+    gen.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"), help="gateway API key")
+    gen.add_argument("--tls-ca", default=None, help="CA to verify the gateway (enables TLS)")
+    gen.add_argument("--tls-cert", default=None, help="client certificate (mTLS)")
+    gen.add_argument("--tls-key", default=None, help="client key (mTLS)")
     _add_sampling_flags(gen)
 
     serve = sub.add_parser("serve", help="run one service")
@@ -71,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="in Kubernetes: watch this Service's EndpointSlices for verifier pods")
     gateway.add_argument("--discover-drafters", default=None, metavar="SERVICE")
     gateway.add_argument("--namespace", default=None, help="namespace to watch (default: the pod's own)")
+    gateway.add_argument("--api-keys-file", default=None,
+                         help="require one of these API keys (one per line; also env SPECDEC_API_KEYS)")
     gateway.add_argument("--max-prompt-tokens", type=int, default=4096)
     gateway.add_argument("--max-new-tokens-cap", type=int, default=2048)
     gateway.add_argument("--default-max-new-tokens", type=int, default=128)
@@ -83,9 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=50051, help="gateway port; drafter +1, verifier +2")
 
+    bench = sub.add_parser("bench", help="benchmark spec decoding vs baselines (gateway or --local)")
+    from specdec.bench import add_arguments as _add_bench_arguments
+
+    _add_bench_arguments(bench)
+
     sim = sub.add_parser("sim", help="simulate draft-length policies (no models)")
-    sim.add_argument("--json", action="store_true")
-    sim.add_argument("--seed", type=int, default=0)
+    from specdec import sim as sim_module
+
+    sim_module.add_arguments(sim)
     return parser
 
 
@@ -188,7 +209,8 @@ def _generate_remote(args) -> int:
         request["prompt"] = args.prompt
     completion = Completion()
     try:
-        with GatewayClient(args.gateway, timeout=args.timeout) as client:
+        with GatewayClient(args.gateway, timeout=args.timeout, api_key=args.api_key, tls_ca=args.tls_ca,
+                           tls_cert=args.tls_cert, tls_key=args.tls_key) as client:
             for event in client.stream(**request):
                 fold(completion, event)
                 if isinstance(event, ChunkEvent) and not args.json:
@@ -208,9 +230,13 @@ def _generate_remote(args) -> int:
 def _serve(args) -> int:
     from specdec.rpc.server import ServeOptions
 
+    from specdec.rpc.security import TLSConfig, load_api_keys
+
     options = ServeOptions(
         host=args.host, port=args.port, metrics_port=args.metrics_port,
         max_message_bytes=args.max_message_bytes, grace_s=args.grace,
+        tls=TLSConfig.from_sources(args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_auth),
+        api_keys=tuple(load_api_keys(args.api_keys_file)) if args.role == "gateway" else (),
     )
     if args.role == "verifier":
         from verifier_service.server import serve
@@ -233,7 +259,13 @@ def _serve(args) -> int:
         coro = serve(args.target, args.verifier, args.drafter, options, limits,
                      discover_verifiers=args.discover_verifiers, discover_drafters=args.discover_drafters,
                      namespace=args.namespace)
-    asyncio.run(coro)
+    from specdec import telemetry
+
+    telemetry.setup(f"specdec-{args.role}", endpoint=args.otlp_endpoint, detail=args.trace_detail)
+    try:
+        asyncio.run(coro)
+    finally:
+        telemetry.shutdown()  # flush spans and metrics still batched
     return 0
 
 
@@ -289,7 +321,13 @@ def _up(args) -> int:
 def _sim(args) -> int:
     from specdec import sim
 
-    return sim.main(["--json"] if args.json else [], seed=args.seed) or 0
+    return sim.run_cli(args) or 0
+
+
+def _bench(args) -> int:
+    from specdec import bench
+
+    return bench.main(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         return _up(args)
     if args.command == "sim":
         return _sim(args)
+    if args.command == "bench":
+        return _bench(args)
     return 2
 
 

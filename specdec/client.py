@@ -108,16 +108,31 @@ def fold(completion: Completion, event: ChunkEvent | FinalEvent) -> None:
         completion.stats = event.stats
 
 
-class GatewayClient:
-    """Blocking client."""
+def _credentials(tls_ca, tls_cert, tls_key):
+    if not (tls_ca or tls_cert):
+        return None
+    read = lambda path: open(path, "rb").read() if path else None  # noqa: E731
+    return grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
 
-    def __init__(self, address: str = DEFAULT_GATEWAY, timeout: float | None = None) -> None:
-        self.channel = grpc.insecure_channel(address, options=channel_options())
+
+def _metadata(api_key: str | None):
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+
+class GatewayClient:
+    """Blocking client. TLS when ``tls_ca`` is given (mTLS with ``tls_cert``/``tls_key``)."""
+
+    def __init__(self, address: str = DEFAULT_GATEWAY, timeout: float | None = None, *, api_key: str | None = None,
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None) -> None:
+        credentials = _credentials(tls_ca, tls_cert, tls_key)
+        self.channel = (grpc.secure_channel(address, credentials, options=channel_options()) if credentials
+                        else grpc.insecure_channel(address, options=channel_options()))
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
         self.timeout = timeout
+        self.metadata = _metadata(api_key)
 
     def stream(self, *args, **kwargs) -> Iterator[ChunkEvent | FinalEvent]:
-        for response in self.stub.Generate(build_request(*args, **kwargs), timeout=self.timeout):
+        for response in self.stub.Generate(build_request(*args, **kwargs), timeout=self.timeout, metadata=self.metadata):
             yield event_from_pb(response)
 
     def generate(self, *args, **kwargs) -> Completion:
@@ -139,13 +154,18 @@ class GatewayClient:
 class AsyncGatewayClient:
     """asyncio client."""
 
-    def __init__(self, address: str = DEFAULT_GATEWAY, timeout: float | None = None) -> None:
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options())
+    def __init__(self, address: str = DEFAULT_GATEWAY, timeout: float | None = None, *, api_key: str | None = None,
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None) -> None:
+        credentials = _credentials(tls_ca, tls_cert, tls_key)
+        self.channel = (grpc.aio.secure_channel(address, credentials, options=channel_options()) if credentials
+                        else grpc.aio.insecure_channel(address, options=channel_options()))
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
         self.timeout = timeout
+        self.metadata = _metadata(api_key)
 
     async def stream(self, *args, **kwargs) -> AsyncIterator[ChunkEvent | FinalEvent]:
-        async for response in self.stub.Generate(build_request(*args, **kwargs), timeout=self.timeout):
+        async for response in self.stub.Generate(build_request(*args, **kwargs), timeout=self.timeout,
+                                                 metadata=self.metadata):
             yield event_from_pb(response)
 
     async def generate(self, *args, **kwargs) -> Completion:

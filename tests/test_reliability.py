@@ -256,3 +256,28 @@ def test_sigterm_with_four_streams_in_flight(tiny_pair, tmp_path):
         assert stack.gateway.proc.wait(30) == 0
     finally:
         stack.stop()
+
+
+def test_verifier_killed_with_a_replica_migrates_and_stays_exact(tiny_pair, noisy_draft, tiny_target, tmp_path):
+    stack = start_stack(tiny_pair[1], noisy_draft, tmp_path, verifiers=2)
+    try:
+        time.sleep(1.5)  # let the gateway see both replicas (it polls every 0.5 s until all are ready)
+        started, outcome = threading.Event(), {}
+        thread = stream_in_thread(stack.gateway.address, started, outcome, prompt="the quick brown", max_new_tokens=300,
+                                  method="model", num_draft_tokens=3)
+        assert started.wait(60)
+        serving = [v for v in stack.verifiers if active_sessions(v.address, "verifier") == 1]
+        assert len(serving) == 1
+        serving[0].proc.send_signal(signal.SIGKILL)
+        thread.join(120)
+        assert "error" not in outcome, outcome.get("error")
+        events = outcome["events"]
+        final = events[-1]
+        assert isinstance(final, FinalEvent) and final.finish_reason in ("stop", "length")
+        tokens = [t for e in events if isinstance(e, ChunkEvent) for t in e.token_ids]
+        assert tokens == reference_greedy(tiny_target, final.prompt_token_ids, 300)
+        survivor = next(v for v in stack.verifiers if v is not serving[0])
+        assert "re-prefilling" in stack.gateway.log()
+        assert active_sessions(survivor.address, "verifier") == 0
+    finally:
+        stack.stop()

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+from specdec import telemetry
 from specdec.models import LoadedModel, load_model
 from specdec.rpc import convert
 from specdec.rpc.server import NotReady, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
@@ -27,6 +29,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.sessions = SessionRegistry(max_sessions, self.metrics)
         # One model worker: forward passes run off the event loop, one at a time.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-model")
+        telemetry.current().observe_active_sessions("verifier", lambda: len(self.sessions))
 
     async def load(self, target: str, device: str | None = None) -> None:
         loop = asyncio.get_running_loop()
@@ -56,8 +59,10 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         lm = self._require_model()
         key = None
         session: TargetSession | None = None
+        trace = telemetry.current().session_trace(context, SERVICE_NAME, "Verify", "verifier")  # None: off
         try:
             async for request in request_iterator:
+                received = time.perf_counter()
                 kind = request.WhichOneof("kind")
                 if kind == "start":
                     if session is not None:
@@ -70,7 +75,11 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                     key = self.sessions.open(start.session_id, session)
                     verdict = await self._run(session.prefill)
                     self.metrics.tokens.inc(len(verdict.tokens))
-                    yield verifier_pb2.VerifyResponse(round=0, **convert.verdict_fields(verdict))
+                    if trace is not None:
+                        trace.set(session_id=key, prompt_tokens=len(prompt))
+                        trace.step("prefill", received, prompt_tokens=len(prompt), tokens=len(verdict.tokens))
+                    yield verifier_pb2.VerifyResponse(round=0, service_time_us=_us_since(received),
+                                                      **convert.verdict_fields(verdict))
                 elif kind == "block":
                     if session is None:
                         raise ValueError("block: send start first")
@@ -80,13 +89,23 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                     self.metrics.tokens.inc(len(verdict.tokens))
                     self.metrics.draft_tokens.inc(verdict.num_drafts)
                     self.metrics.accepted_tokens.inc(verdict.num_accepted)
-                    yield verifier_pb2.VerifyResponse(round=request.block.round, **convert.verdict_fields(verdict))
+                    if trace is not None:
+                        trace.step("verify", received, round=request.block.round, drafted=verdict.num_drafts,
+                                   accepted=verdict.num_accepted, tokens=len(verdict.tokens))
+                    yield verifier_pb2.VerifyResponse(round=request.block.round, service_time_us=_us_since(received),
+                                                      **convert.verdict_fields(verdict))
                 else:
                     raise ValueError("kind: set start or block")
+        except BaseException as exc:
+            if trace is not None:
+                trace.fail(exc)
+            raise
         finally:
             # Normal end, client cancel, deadline or error: the KV cache goes with the stream.
             if key is not None:
                 self.sessions.close(key)
+            if trace is not None:
+                trace.end()
 
     def _validate_block(self, proposal: DraftProposal, session: TargetSession, lm: LoadedModel) -> None:
         k = len(proposal)
@@ -104,6 +123,11 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             model=convert.model_info_pb(lm),
             load=types_pb2.LoadReport(active_sessions=len(self.sessions), max_sessions=self.sessions.max_sessions),
         )
+
+
+def _us_since(started: float) -> int:
+    """Microseconds since ``started`` (``time.perf_counter()``): the response's service_time_us."""
+    return int((time.perf_counter() - started) * 1e6)
 
 
 async def serve(target: str, options: ServeOptions, max_sessions: int = 64, device: str | None = None,

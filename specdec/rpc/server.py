@@ -20,6 +20,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
+from specdec.rpc.security import ApiKeyInterceptor, TLSConfig
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -109,6 +111,8 @@ class ServeOptions:
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grace_s: float = 30.0
+    tls: "TLSConfig | None" = None  # serve TLS (and require client certificates with client_auth)
+    api_keys: tuple[bytes, ...] = ()  # gateway only: UNAUTHENTICATED without one of these
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -118,13 +122,22 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     ]
 
 
+def open_channel(address: str, tls: TLSConfig | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
+    """An aio channel to another specdec service: TLS (presenting our certificate) when configured."""
+    if tls is not None and tls.secures_channels:
+        return grpc.aio.secure_channel(address, tls.channel_credentials(), options=channel_options(max_message_bytes))
+    return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+
+
 class ServiceRuntime:
     """One gRPC server with health, reflection and metrics, for one service."""
 
     def __init__(self, service_name: str, options: ServeOptions) -> None:
         self.service_name = service_name  # fully qualified, e.g. "specdec.v1.Verifier"
         self.options = options
-        self.server = grpc.aio.server(options=channel_options(options.max_message_bytes))
+        interceptors = [ApiKeyInterceptor(list(options.api_keys))] if options.api_keys else []
+        self.server = grpc.aio.server(options=channel_options(options.max_message_bytes), interceptors=interceptors)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.registry = CollectorRegistry()
@@ -137,7 +150,12 @@ class ServiceRuntime:
             (self.service_name, *extra_service_names, health.SERVICE_NAME, reflection.SERVICE_NAME),
             self.server,
         )
-        self.port = self.server.add_insecure_port(f"{self.options.host}:{self.options.port}")
+        address = f"{self.options.host}:{self.options.port}"
+        tls = self.options.tls
+        if tls is not None and tls.enabled:
+            self.port = self.server.add_secure_port(address, tls.server_credentials())
+        else:
+            self.port = self.server.add_insecure_port(address)
         await self.server.start()
         await self.set_serving(False)
         await _maybe_await(self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING))

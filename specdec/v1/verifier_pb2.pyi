@@ -36,18 +36,20 @@ class VerifyBlock(_message.Message):
     def __init__(self, round: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_types_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("round", "num_drafts", "num_accepted", "token_ids", "committed_length")
+    __slots__ = ("round", "num_drafts", "num_accepted", "token_ids", "committed_length", "service_time_us")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_TIME_US_FIELD_NUMBER: _ClassVar[int]
     round: int
     num_drafts: int
     num_accepted: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     committed_length: int
-    def __init__(self, round: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ...) -> None: ...
+    service_time_us: int
+    def __init__(self, round: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., service_time_us: _Optional[int] = ...) -> None: ...
 
 class GetVerifierInfoRequest(_message.Message):
     __slots__ = ()
