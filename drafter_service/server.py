@@ -11,7 +11,7 @@ from specdec import telemetry
 from specdec.drafters import Drafter, DraftSession, ModelDrafter, NgramDrafter
 from specdec.models import LoadedModel, load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.rpc import convert
-from specdec.rpc.server import NotReady, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
+from specdec.rpc.server import NotReady, idle_guard, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
 from specdec.rpc.sessions import ServiceMetrics, SessionRegistry
 from specdec.sampling import SamplingParams
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, types_pb2
@@ -21,8 +21,10 @@ SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 
 
 class DrafterService(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, runtime: ServiceRuntime, max_sessions: int = 64, max_draft_tokens: int = 32) -> None:
+    def __init__(self, runtime: ServiceRuntime, max_sessions: int = 64, max_draft_tokens: int = 32,
+                 idle_timeout_s: float | None = 300.0) -> None:
         self.runtime = runtime
+        self.idle_timeout_s = idle_timeout_s
         self.drafter: Drafter | None = None
         self.lm: LoadedModel | None = None
         self.tokenizer = None  # n-gram drafting needs no model, only the vocabulary
@@ -66,10 +68,11 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
     async def Draft(self, request_iterator, context):
         drafter = self._require_drafter()
         key = None
+        cancelled = asyncio.Event()  # set by an out-of-band cancel of this session
         session: DraftSession | None = None
         trace = telemetry.current().session_trace(context, SERVICE_NAME, "Draft", "drafter")  # None: off
         try:
-            async for request in request_iterator:
+            async for request in idle_guard(request_iterator, self.idle_timeout_s, cancelled):
                 received = time.perf_counter()
                 kind = request.WhichOneof("kind")
                 if kind == "start":
@@ -80,7 +83,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                     self._validate_ids(prompt, "prompt_token_ids")
                     params = convert.sampling_from_pb(start.sampling, draft_top_k=start.draft_top_k)
                     session = drafter.start(prompt, params)
-                    key = self.sessions.open(start.session_id, session)
+                    key = self.sessions.open(start.session_id, session, cancelled)
                     await self._run(session.prefill)
                     if trace is not None:
                         trace.set(session_id=key, prompt_tokens=len(prompt), **{"draft.method": drafter.name})
@@ -144,6 +147,11 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         return session.propose(k)
 
     @map_unary_errors
+    async def CancelDraft(self, request, context):
+        self.sessions.cancel(request.session_id)
+        return drafter_pb2.CancelDraftResponse()
+
+    @map_unary_errors
     async def GetInfo(self, request, context):
         drafter = self._require_drafter()
         return drafter_pb2.GetDrafterInfoResponse(
@@ -154,9 +162,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
 
 
 async def serve(method: str, draft_model: str | None, options: ServeOptions, max_sessions: int = 64,
-                device: str | None = None) -> None:
+                device: str | None = None,
+                idle_timeout_s: float | None = 300.0) -> None:
     runtime = ServiceRuntime(SERVICE_NAME, options)
-    service = DrafterService(runtime, max_sessions=max_sessions)
+    service = DrafterService(runtime, max_sessions=max_sessions, idle_timeout_s=idle_timeout_s)
     drafter_pb2_grpc.add_DrafterServicer_to_server(service, runtime.server)
     port = await runtime.start()
     runtime.install_signal_handlers()

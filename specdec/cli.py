@@ -38,6 +38,8 @@ def _add_serve_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight streams get on SIGTERM")
     p.add_argument("--max-sessions", type=int, default=64)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
+    p.add_argument("--idle-timeout", type=float, default=300.0,
+                   help="drafter/verifier: free a session whose stream is silent this long (seconds)")
     p.add_argument("--tls-cert", default=None, help="PEM certificate (env SPECDEC_TLS_CERT); serves TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key (env SPECDEC_TLS_KEY)")
     p.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify peers (env SPECDEC_TLS_CA)")
@@ -241,11 +243,13 @@ def _serve(args) -> int:
     if args.role == "verifier":
         from verifier_service.server import serve
 
-        coro = serve(args.target, options, max_sessions=args.max_sessions, device=args.device)
+        coro = serve(args.target, options, max_sessions=args.max_sessions, device=args.device,
+                     idle_timeout_s=args.idle_timeout)
     elif args.role == "drafter":
         from drafter_service.server import serve
 
-        coro = serve(args.method, args.draft_model, options, max_sessions=args.max_sessions, device=args.device)
+        coro = serve(args.method, args.draft_model, options, max_sessions=args.max_sessions, device=args.device,
+                     idle_timeout_s=args.idle_timeout)
     else:
         from gateway.server import GatewayLimits, serve
 

@@ -281,3 +281,50 @@ def test_verifier_killed_with_a_replica_migrates_and_stays_exact(tiny_pair, nois
         assert active_sessions(survivor.address, "verifier") == 0
     finally:
         stack.stop()
+
+
+def test_idle_sessions_are_reaped_and_late_cancels_are_not_found(tiny_pair, tmp_path):
+    """A stream that goes silent is ended (DEADLINE_EXCEEDED) and its KV freed; a cancel for a
+    session that no longer exists answers NOT_FOUND and changes nothing."""
+    from specdec.v1 import verifier_pb2, verifier_pb2_grpc
+    from tests.harness import start_service
+
+    verifier = start_service("verifier", ["--target", str(tiny_pair[1]), "--idle-timeout", "1"], tmp_path)
+    try:
+        verifier.wait_serving()
+        with grpc.insecure_channel(verifier.address) as channel:
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            start = verifier_pb2.VerifyRequest(start=verifier_pb2.VerifyStart(session_id="quiet", prompt_token_ids=[5, 6, 7]))
+
+            def silent():
+                yield start
+                time.sleep(30)  # never another message
+
+            call = stub.Verify(silent(), timeout=20)
+            first = next(call)
+            assert len(first.token_ids) == 1 and active_sessions(verifier.address, "verifier") == 1
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                next(call)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert time.monotonic() - t0 < 5
+            assert active_sessions(verifier.address, "verifier") == 0
+
+            # Out-of-band cancel of a live session ends its stream; a late one is NOT_FOUND.
+            def waiting():
+                yield verifier_pb2.VerifyRequest(start=verifier_pb2.VerifyStart(session_id="live", prompt_token_ids=[5, 6]))
+                time.sleep(0.9)
+
+            call = stub.Verify(waiting(), timeout=20)
+            next(call)
+            stub.CancelVerify(verifier_pb2.CancelVerifyRequest(session_id="live"), timeout=5)
+            with pytest.raises(grpc.RpcError) as info:
+                next(call)
+            assert info.value.code() == grpc.StatusCode.CANCELLED
+            assert active_sessions(verifier.address, "verifier") == 0
+            with pytest.raises(grpc.RpcError) as info:
+                stub.CancelVerify(verifier_pb2.CancelVerifyRequest(session_id="live"), timeout=5)
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert verifier.proc.poll() is None
+    finally:
+        verifier.stop()

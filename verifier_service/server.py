@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from specdec import telemetry
 from specdec.models import LoadedModel, load_model
 from specdec.rpc import convert
-from specdec.rpc.server import NotReady, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
+from specdec.rpc.server import NotReady, idle_guard, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
 from specdec.rpc.sessions import ServiceMetrics, SessionRegistry
 from specdec.sampling import DraftProposal
 from specdec.v1 import types_pb2, verifier_pb2, verifier_pb2_grpc
@@ -21,8 +21,10 @@ SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 
 
 class VerifierService(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, runtime: ServiceRuntime, max_sessions: int = 64, max_draft_tokens: int = 32) -> None:
+    def __init__(self, runtime: ServiceRuntime, max_sessions: int = 64, max_draft_tokens: int = 32,
+                 idle_timeout_s: float | None = 300.0) -> None:
         self.runtime = runtime
+        self.idle_timeout_s = idle_timeout_s
         self.lm: LoadedModel | None = None
         self.max_draft_tokens = max_draft_tokens
         self.metrics = ServiceMetrics(runtime.registry, "verifier")
@@ -58,10 +60,11 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
     async def Verify(self, request_iterator, context):
         lm = self._require_model()
         key = None
+        cancelled = asyncio.Event()  # set by an out-of-band cancel of this session
         session: TargetSession | None = None
         trace = telemetry.current().session_trace(context, SERVICE_NAME, "Verify", "verifier")  # None: off
         try:
-            async for request in request_iterator:
+            async for request in idle_guard(request_iterator, self.idle_timeout_s, cancelled):
                 received = time.perf_counter()
                 kind = request.WhichOneof("kind")
                 if kind == "start":
@@ -72,7 +75,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                     lm.validate_prompt(prompt)
                     params = convert.sampling_from_pb(start.sampling)
                     session = TargetSession(lm, prompt, params)
-                    key = self.sessions.open(start.session_id, session)
+                    key = self.sessions.open(start.session_id, session, cancelled)
                     verdict = await self._run(session.prefill)
                     self.metrics.tokens.inc(len(verdict.tokens))
                     if trace is not None:
@@ -117,6 +120,11 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             raise ValueError("draft_token_ids: the block would exceed the model context")
 
     @map_unary_errors
+    async def CancelVerify(self, request, context):
+        self.sessions.cancel(request.session_id)
+        return verifier_pb2.CancelVerifyResponse()
+
+    @map_unary_errors
     async def GetInfo(self, request, context):
         lm = self._require_model()
         return verifier_pb2.GetVerifierInfoResponse(
@@ -131,9 +139,9 @@ def _us_since(started: float) -> int:
 
 
 async def serve(target: str, options: ServeOptions, max_sessions: int = 64, device: str | None = None,
-                ready: asyncio.Event | None = None) -> None:
+                idle_timeout_s: float | None = 300.0) -> None:
     runtime = ServiceRuntime(SERVICE_NAME, options)
-    service = VerifierService(runtime, max_sessions=max_sessions)
+    service = VerifierService(runtime, max_sessions=max_sessions, idle_timeout_s=idle_timeout_s)
     verifier_pb2_grpc.add_VerifierServicer_to_server(service, runtime.server)
     port = await runtime.start()
     runtime.install_signal_handlers()

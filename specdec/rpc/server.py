@@ -42,6 +42,41 @@ class SessionNotFound(Exception):
     """NOT_FOUND."""
 
 
+class SessionIdle(Exception):
+    """No message on a session stream for longer than the idle timeout: DEADLINE_EXCEEDED."""
+
+
+class SessionCancelled(Exception):
+    """Ended out of band (CancelDraft / CancelVerify): CANCELLED."""
+
+
+async def idle_guard(request_iterator, idle_timeout_s: float | None, cancelled: asyncio.Event):
+    """Yield the stream's requests until it ends, ``cancelled`` is set, or the peer stays silent
+    longer than ``idle_timeout_s``.
+
+    The idle limit is the reaper for sessions whose gateway vanished without a cancel reaching us
+    (a partition, a hung peer): their KV caches would otherwise live until TCP gives up.
+    """
+    iterator = request_iterator.__aiter__()
+    stop = asyncio.ensure_future(cancelled.wait())
+    try:
+        while True:
+            following = asyncio.ensure_future(iterator.__anext__())
+            done, _ = await asyncio.wait({following, stop}, timeout=idle_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if following not in done:
+                following.cancel()
+                if stop in done:
+                    raise SessionCancelled("session cancelled")
+                raise SessionIdle(f"session idle for more than {idle_timeout_s:g}s; state freed")
+            try:
+                yield following.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        stop.cancel()
+
+
 def status_for(exc: BaseException) -> grpc.StatusCode:
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT
@@ -51,6 +86,10 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE
     if isinstance(exc, SessionNotFound):
         return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, SessionIdle):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    if isinstance(exc, SessionCancelled):
+        return grpc.StatusCode.CANCELLED
     if isinstance(exc, grpc.aio.AioRpcError):  # a downstream failure: pass its code on
         return exc.code()
     return grpc.StatusCode.INTERNAL

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from specdec.rpc.server import Overloaded
+from specdec.rpc.server import Overloaded, SessionNotFound
 
 
 class ServiceMetrics:
@@ -40,21 +41,33 @@ class SessionRegistry:
         self.max_sessions = max_sessions
         self.metrics = metrics
         self._sessions: dict[str, object] = {}
+        self._cancel_events: dict[str, asyncio.Event] = {}
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def open(self, session_id: str, session: object) -> str:
-        """Register a session; returns the key to close it with."""
+    def open(self, session_id: str, session: object, cancelled: asyncio.Event | None = None) -> str:
+        """Register a session; returns the key to close it with. ``cancel()`` sets ``cancelled``."""
         if len(self._sessions) >= self.max_sessions:
             raise Overloaded(f"session limit reached ({self.max_sessions})")
         key = session_id if session_id and session_id not in self._sessions else f"{session_id}#{uuid.uuid4().hex[:8]}"
         self._sessions[key] = session
+        if cancelled is not None:
+            self._cancel_events[key] = cancelled
         self.metrics.active_sessions.set(len(self._sessions))
         self.metrics.requests.inc()
         return key
 
+    def cancel(self, session_id: str) -> None:
+        """End the streams serving ``session_id`` (their ``finally`` frees the state)."""
+        keys = [k for k in self._cancel_events if k == session_id or k.startswith(f"{session_id}#")]
+        if not session_id or not keys:
+            raise SessionNotFound(f"session_id: no live session {session_id!r}")
+        for key in keys:
+            self._cancel_events[key].set()
+
     def close(self, key: str) -> None:
+        self._cancel_events.pop(key, None)
         session = self._sessions.pop(key, None)
         if session is not None and hasattr(session, "close"):
             session.close()

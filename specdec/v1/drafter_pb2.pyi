@@ -76,3 +76,13 @@ class GetDrafterInfoResponse(_message.Message):
     model: _types_pb2.ModelInfo
     load: _types_pb2.LoadReport
     def __init__(self, method: _Optional[str] = ..., model: _Optional[_Union[_types_pb2.ModelInfo, _Mapping]] = ..., load: _Optional[_Union[_types_pb2.LoadReport, _Mapping]] = ...) -> None: ...
+
+class CancelDraftRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CancelDraftResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

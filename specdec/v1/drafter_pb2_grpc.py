@@ -46,6 +46,11 @@ class DrafterStub:
                 request_serializer=specdec_dot_v1_dot_drafter__pb2.GetDrafterInfoRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_drafter__pb2.GetDrafterInfoResponse.FromString,
                 _registered_method=True)
+        self.CancelDraft = channel.unary_unary(
+                '/specdec.v1.Drafter/CancelDraft',
+                request_serializer=specdec_dot_v1_dot_drafter__pb2.CancelDraftRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_drafter__pb2.CancelDraftResponse.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -65,6 +70,14 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CancelDraft(self, request, context):
+        """Ends a session out of band (its stream finishes with CANCELLED). Unknown or finished
+        sessions answer NOT_FOUND, so a late cancel is harmless.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +90,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=specdec_dot_v1_dot_drafter__pb2.GetDrafterInfoRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_drafter__pb2.GetDrafterInfoResponse.SerializeToString,
+            ),
+            'CancelDraft': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelDraft,
+                    request_deserializer=specdec_dot_v1_dot_drafter__pb2.CancelDraftRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_drafter__pb2.CancelDraftResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +153,33 @@ class Drafter:
             '/specdec.v1.Drafter/GetInfo',
             specdec_dot_v1_dot_drafter__pb2.GetDrafterInfoRequest.SerializeToString,
             specdec_dot_v1_dot_drafter__pb2.GetDrafterInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelDraft(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.Drafter/CancelDraft',
+            specdec_dot_v1_dot_drafter__pb2.CancelDraftRequest.SerializeToString,
+            specdec_dot_v1_dot_drafter__pb2.CancelDraftResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -46,6 +46,11 @@ class VerifierStub:
                 request_serializer=specdec_dot_v1_dot_verifier__pb2.GetVerifierInfoRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_verifier__pb2.GetVerifierInfoResponse.FromString,
                 _registered_method=True)
+        self.CancelVerify = channel.unary_unary(
+                '/specdec.v1.Verifier/CancelVerify',
+                request_serializer=specdec_dot_v1_dot_verifier__pb2.CancelVerifyRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_verifier__pb2.CancelVerifyResponse.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -65,6 +70,14 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CancelVerify(self, request, context):
+        """Ends a session out of band (its stream finishes with CANCELLED). Unknown or finished
+        sessions answer NOT_FOUND, so a late cancel is harmless.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +90,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=specdec_dot_v1_dot_verifier__pb2.GetVerifierInfoRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_verifier__pb2.GetVerifierInfoResponse.SerializeToString,
+            ),
+            'CancelVerify': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelVerify,
+                    request_deserializer=specdec_dot_v1_dot_verifier__pb2.CancelVerifyRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_verifier__pb2.CancelVerifyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +153,33 @@ class Verifier:
             '/specdec.v1.Verifier/GetInfo',
             specdec_dot_v1_dot_verifier__pb2.GetVerifierInfoRequest.SerializeToString,
             specdec_dot_v1_dot_verifier__pb2.GetVerifierInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelVerify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.Verifier/CancelVerify',
+            specdec_dot_v1_dot_verifier__pb2.CancelVerifyRequest.SerializeToString,
+            specdec_dot_v1_dot_verifier__pb2.CancelVerifyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,257 @@
+"""specdec bench: metric math, the analytic bound, prompt sets, and short real runs on tiny models."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from specdec import bench
+from specdec.cli import main as cli_main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+PROMPTS = [
+    {"question_id": 1, "category": "writing", "turns": ["Hello! How can I help", "Say it again, shorter."]},
+    {"question_id": 2, "category": "coding", "turns": ["def add(a, b):"]},
+    {"task_id": "Tiny/0", "prompt": "def add(a, b):\n"},
+    {"task_id": "Tiny/1", "prompt": "for i in range(10):\n"},
+]
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    return path
+
+
+# -- metric math ----------------------------------------------------------------------------------
+def test_itl_counts_tokens_not_chunks():
+    # chunks at 0.1 (1 token: TTFT), 0.3 (4 tokens), 0.4 (1 token)
+    samples = bench.itl_per_token([0.1, 0.3, 0.4], [1, 4, 1])
+    assert samples == pytest.approx([0.05] * 4 + [0.1])
+    assert bench.itl_per_token([0.1], [1]) == []
+    assert bench.itl_per_token([], []) == []
+
+
+def test_tpot_formula():
+    assert bench.tpot(1.0, 0.1, 10) == pytest.approx(0.1)  # (1.0 - 0.1) / 9
+    assert bench.tpot(1.0, 0.1, 1) is None
+    assert bench.tpot(1.0, None, 5) is None
+
+
+def test_percentiles_match_numpy():
+    values = [0.3, 0.1, 0.4, 0.15, 0.9, 0.2, 0.7]
+    for q in (0, 50, 90, 99, 100):
+        assert bench.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    d = bench.distribution([1.0, 2.0, 3.0, 4.0])
+    assert d == pytest.approx({"mean": 2.5, "p50": 2.5, "p90": 3.7, "p99": 3.97})
+    assert bench.distribution([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
+
+
+def test_summarize_records_throughput_and_latency():
+    records = [
+        bench.RequestRecord("s", "1", "a", "x", 1, 0.0, latency_s=1.0, ttft_s=0.1, output_tokens=10,
+                            chunk_offsets_s=[0.1, 0.55, 1.0], chunk_tokens=[1, 5, 4]),
+        bench.RequestRecord("s", "2", "b", "x", 1, 1.0, latency_s=0.5, error="UNAVAILABLE: down"),
+    ]
+    s = bench.summarize_records(records, duration_s=2.0)
+    assert s["errors"] == 1 and s["completed"] == 1
+    assert s["tokens_per_s"] == pytest.approx(5.0)
+    assert s["requests_per_s"] == pytest.approx(0.5)
+    assert s["ttft_p50_s"] == pytest.approx(0.1)
+    assert s["tpot_p50_s"] == pytest.approx(0.1)
+    assert s["itl_mean_s"] == pytest.approx(0.1)  # 5 samples of 0.09, 4 of 0.1125
+    assert s["acceptance_rate"] is None
+
+
+def test_position_counts_from_final_stats():
+    # rounds: k=3 accepted 2, k=2 accepted 0, k=0, k=3 accepted 1
+    stats = {"k_history": [3, 2, 0, 3], "per_position_acceptance": [2 / 3, 1 / 3, 0.0]}
+    assert bench.position_counts(stats) == ([3, 3, 2], [2, 1, 0])
+    merged = bench.merge_position_counts([stats, {"k_history": [1], "per_position_acceptance": [1.0]}])
+    assert merged == ([4, 3, 2], [3, 1, 0])
+
+
+# -- the bound ------------------------------------------------------------------------------------
+def test_expected_tokens():
+    assert bench.expected_tokens(0, 0.8) == pytest.approx(1.0)
+    assert bench.expected_tokens(3, 0.5) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert bench.expected_tokens(4, 1.0) == 5
+    # positional with equal alphas equals the geometric formula
+    assert bench.expected_tokens_positional(5, [0.7] * 3, 0.7) == pytest.approx(bench.expected_tokens(5, 0.7))
+    assert bench.expected_tokens_positional(3, [1.0, 0.5], 0.0) == pytest.approx(2.5)
+    assert bench.conditional_alphas([0.8, 0.4, 0.2]) == pytest.approx([0.8, 0.5, 0.5])
+
+
+@pytest.mark.parametrize("alpha, c, best_k, bound", [
+    # REFERENCES §1: alpha 0.8, c 0.05 -> k ~ 8, 3.1x; alpha 0.7, c 0.2 -> k ~ 3, 1.6x
+    (0.8, 0.05, 8, (1 - 0.8 ** 9) / 0.2 / 1.4),
+    (0.7, 0.2, 3, (1 - 0.7 ** 4) / 0.3 / 1.6),
+])
+def test_bound_flat_verify_cost(alpha, c, best_k, bound):
+    result = bench.speedup_bound([1.0] * 16, c, alpha=alpha)
+    assert result["best_k"] == best_k
+    assert result["bound"] == pytest.approx(bound)
+    assert 3.08 < bench.speedup_bound([1.0] * 16, 0.05, alpha=0.8)["bound"] < 3.1
+
+
+def test_bound_with_growing_verify_cost_and_positions():
+    # t_verify(k) = 1 + 0.1 k, free drafts, alpha 0.5: k=2 gives 1.75 / 1.2
+    result = bench.speedup_bound([1.0 + 0.1 * k for k in range(16)], 0.0, alpha=0.5)
+    assert result["best_k"] == 2
+    assert result["bound"] == pytest.approx(1.75 / 1.2)
+    # positional: first draft always accepted, second half the time, none after
+    result = bench.speedup_bound([1.0 + 0.1 * k for k in range(16)], 0.0, alpha=0.0, alphas=[1.0, 0.5])
+    # E = 1, 2, 2.5, 2.5, ...: k=1 gives 2 / 1.1, k=2 gives 2.5 / 1.2 (best), k=3 2.5 / 1.3
+    assert result["best_k"] == 2 and result["bound"] == pytest.approx(2.5 / 1.2)
+    # no acceptance: k = 0 is best, bound 1
+    assert bench.speedup_bound([1.0] * 4, 0.1, alpha=0.0)["bound"] == pytest.approx(1.0)
+
+
+def test_monotone_verify_curve():
+    assert bench.monotone_non_decreasing([1.0, 3.0, 2.0, 4.0]) == pytest.approx([1.0, 2.5, 2.5, 4.0])
+    assert bench.monotone_non_decreasing([5.0, 1.0, 1.0, 1.0]) == pytest.approx([2.0] * 4)
+    assert bench.monotone_non_decreasing([1.0, 2.0]) == [1.0, 2.0]
+
+
+def test_fit_verify_cost_recovers_linear_model():
+    a, b = 0.01, 0.002
+    samples = [(r, d, a * r + b * d) for r, d in [(10, 0), (8, 24), (12, 12), (5, 40)]]
+    fit = bench.fit_verify_cost(samples)
+    assert fit == pytest.approx((a, b))
+    assert bench.fit_verify_cost([(10, 0, 0.1)]) is None  # one request: underdetermined
+    assert bench.fit_verify_cost([(10, 0, 0.1), (20, 0, 0.2)]) is None  # no drafts: rank 1
+
+
+# -- prompts, systems, scheduling -----------------------------------------------------------------
+def test_builtin_prompt_sets():
+    mt = bench.load_prompts("mt_bench", limit=8)
+    assert len(mt) == 8 and len({c.category for c in mt}) == 8  # categories taken in turn
+    assert all(c.chat and len(c.turns) == 2 for c in mt)
+    he = bench.load_prompts("humaneval", limit=2)
+    assert [c.id for c in he] == ["HumanEval/0", "HumanEval/1"]
+    assert all(c.category == "humaneval" and not c.chat for c in he)
+    assert len(bench.load_prompts("mt_bench,humaneval")) == 80 + 164
+    with pytest.raises(ValueError, match="--prompts"):
+        bench.load_prompts("no_such_set")
+
+
+def test_parse_systems():
+    specs = bench.parse_systems("spec,spec-k=4,baseline,inprocess,hf,hf-assisted", local=False)
+    assert [(s.kind, s.method, s.num_draft_tokens) for s in specs[:4]] == [
+        ("gateway", "auto", 0), ("gateway", "auto", 4), ("gateway", "none", 0), ("local", "auto", 0)]
+    assert specs[5].assisted and specs[4].kind == "hf"
+    assert bench.parse_systems("spec", local=True)[0].kind == "local"
+    for bad in ("warp", "spec-k=0", "spec,spec"):
+        with pytest.raises(ValueError, match="--systems"):
+            bench.parse_systems(bad, local=False)
+
+
+def test_poisson_arrivals_seeded():
+    a = bench.poisson_arrivals(2000, rate=4.0, seed=1)
+    assert a == bench.poisson_arrivals(2000, rate=4.0, seed=1)
+    assert a[0] == 0.0 and all(y >= x for x, y in zip(a, a[1:]))
+    assert a[-1] / (len(a) - 1) == pytest.approx(0.25, rel=0.1)
+
+
+def test_second_turn_gets_own_previous_answer():
+    seen = []
+
+    class Echo(bench.Runner):
+        def generate(self, *, messages, prompt, max_new_tokens, temperature, seed):
+            seen.append((messages, prompt))
+            clock = bench.ChunkClock()
+            clock.chunk(1)
+            clock.chunk(2)
+            return clock.outcome(f"answer{len(seen)}")
+
+    conv = bench.Conversation("1", "writing", ["first?", "second?"], chat=True)
+    cfg = type("Cfg", (), {"max_new_tokens": 8, "temperature": 0.0, "seed": 0})
+    records = bench.run_conversation(Echo(), "echo", conv, 0, cfg, 0.0, lambda n: None)
+    assert [r.turn for r in records] == [1, 2]
+    assert seen[1] == ([("user", "first?"), ("assistant", "answer1"), ("user", "second?")], None)
+    assert records[0].output_tokens == 3 and records[0].chunk_tokens == [1, 2]
+    text = bench.Conversation("T/0", "humaneval", ["def f():"], chat=False)
+    bench.run_conversation(Echo(), "echo", text, 1, cfg, 0.0, lambda n: None)
+    assert seen[2] == (None, "def f():")
+
+
+# -- real runs ------------------------------------------------------------------------------------
+def _check_outputs(out, systems):
+    summary = json.loads((out / "summary.json").read_text())
+    for name in systems:
+        s = summary["systems"][name]
+        assert s["errors"] == 0, s.get("first_error")
+        assert s["tokens_per_s"] > 0 and s["requests_per_s"] > 0
+        assert s["ttft_p50_s"] > 0 and s["tpot_p50_s"] > 0 and s["latency_p99_s"] >= s["latency_p50_s"]
+        assert s["requests"] == 4  # writing (2 turns), coding, one HumanEval-format task
+        if s["acceptance_rate"] is not None:
+            assert 0.0 <= s["acceptance_rate"] <= 1.0
+            assert all(0.0 <= p <= 1.0 for p in s["per_position_acceptance"])
+            assert s["mean_accepted_length"] >= 1.0
+    for key in ("spec_vs_baseline", "spec_vs_hf", "spec_vs_hf_assisted", "spec_vs_inprocess", "measured_over_bound"):
+        assert key in summary["speedup"]
+    assert (out / "report.md").read_text().startswith("# specdec bench report")
+    assert len(summary["plots"]) == 4
+    for name in summary["plots"]:
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC
+    return summary
+
+
+def test_bench_local_tiny(tiny_pair, prompt_file, tmp_path):
+    _, target, draft = tiny_pair
+    out = tmp_path / "out"
+    rc = cli_main(["--log-level", "WARNING", "bench", "--local", "--target", str(target), "--draft-model", str(draft),
+                   "--device", "cpu", "--prompts", str(prompt_file), "--limit", "3", "--max-new-tokens", "16",
+                   "--systems", "inprocess,hf,hf-assisted", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    summary = _check_outputs(out, ["inprocess", "hf", "hf-assisted"])
+    assert summary["systems"]["inprocess"]["acceptance_rate"] is not None
+    assert summary["speedup"]["spec_vs_hf"] is None  # spec was not run
+    assert summary["speedup"]["inprocess_vs_hf"] > 0
+    bound = summary["bound"]
+    assert bound["bound"] >= 1.0 and len(bound["t_verify_s"]) == bench.VERIFY_CURVE_TOKENS
+    assert bound["measured_pair"] == ["inprocess", "hf"] and summary["speedup"]["measured_over_bound"] > 0
+    requests = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert {(r["system"], r["turn"]) for r in requests if r["conversation_id"] == "1"} == {
+        (s, t) for s in ("inprocess", "hf", "hf-assisted") for t in (1, 2)}
+
+
+def test_bench_local_skips_assisted_without_draft(tiny_pair, prompt_file, tmp_path):
+    _, target, _ = tiny_pair
+    out = tmp_path / "out"
+    rc = cli_main(["--log-level", "WARNING", "bench", "--local", "--target", str(target), "--device", "cpu",
+                   "--prompts", str(prompt_file), "--limit", "1", "--max-new-tokens", "4",
+                   "--systems", "baseline,hf-assisted", "--out", str(out), "--no-progress", "--net-delay", "20"])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert "hf-assisted" in summary["skipped"] and "hf-assisted" not in summary["systems"]
+    assert summary["speedup"]["spec_vs_hf_assisted"] is None
+    assert summary["config"]["net_delay_ms"] == 20
+    report = (out / "report.md").read_text()
+    assert "needs --draft-model" in report and "not implemented yet" in report
+
+
+def test_bench_gateway_tiny(tiny_pair, prompt_file, tmp_path):
+    from tests.harness import start_stack
+
+    _, target, draft = tiny_pair
+    stack = start_stack(target, draft, tmp_path)
+    try:
+        out = tmp_path / "out"
+        rc = cli_main(["--log-level", "WARNING", "bench", "--gateway", stack.gateway.address, "--target", str(target),
+                       "--prompts", str(prompt_file), "--limit", "3", "--max-new-tokens", "16",
+                       "--systems", "spec,spec-k=2,baseline", "--concurrency", "2", "--out", str(out), "--no-progress"])
+    finally:
+        stack.stop()
+    assert rc == 0
+    summary = _check_outputs(out, ["spec", "spec-k=2", "baseline"])
+    assert summary["systems"]["spec"]["draft_method"] == "model"
+    assert summary["systems"]["baseline"]["acceptance_rate"] is None
+    assert set(summary["systems"]["spec-k=2"]["k_counts"]) <= {"0", "1", "2"}
+    assert summary["speedup"]["spec_vs_baseline"] > 0
+    assert math.isfinite(summary["speedup"]["measured_over_bound"])
