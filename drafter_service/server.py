@@ -5,14 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from specdec import telemetry
 from specdec.drafters import Drafter, DraftSession, ModelDrafter, NgramDrafter
 from specdec.models import LoadedModel, load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.rpc import convert
 from specdec.rpc.server import NotReady, idle_guard, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
-from specdec.rpc.sessions import ServiceMetrics, SessionRegistry
+from specdec.rpc.sessions import ModelWorkerService
 from specdec.sampling import SamplingParams
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, types_pb2
 
@@ -20,19 +19,14 @@ log = logging.getLogger("specdec.drafter")
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 
 
-class DrafterService(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, runtime: ServiceRuntime, max_sessions: int = 64, max_draft_tokens: int = 32,
-                 idle_timeout_s: float | None = 300.0) -> None:
-        self.runtime = runtime
-        self.idle_timeout_s = idle_timeout_s
+class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
+    role = "drafter"
+
+    def __init__(self, runtime: ServiceRuntime, **kwargs) -> None:
+        super().__init__(runtime, **kwargs)
         self.drafter: Drafter | None = None
         self.lm: LoadedModel | None = None
         self.tokenizer = None  # n-gram drafting needs no model, only the vocabulary
-        self.max_draft_tokens = max_draft_tokens
-        self.metrics = ServiceMetrics(runtime.registry, "drafter")
-        self.sessions = SessionRegistry(max_sessions, self.metrics)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-model")
-        telemetry.current().observe_active_sessions("drafter", lambda: len(self.sessions))
 
     async def load(self, method: str, draft_model: str | None, device: str | None = None) -> None:
         loop = asyncio.get_running_loop()
@@ -60,9 +54,6 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         if self.drafter is None:
             raise NotReady("drafter is still loading")
         return self.drafter
-
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     @map_errors
     async def Draft(self, request_iterator, context):

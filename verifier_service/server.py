@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from specdec import telemetry
 from specdec.models import LoadedModel, load_model
 from specdec.rpc import convert
 from specdec.rpc.server import NotReady, idle_guard, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
-from specdec.rpc.sessions import ServiceMetrics, SessionRegistry
+from specdec.rpc.sessions import ModelWorkerService
 from specdec.sampling import DraftProposal
 from specdec.v1 import types_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.verification import TargetSession
@@ -20,18 +19,12 @@ log = logging.getLogger("specdec.verifier")
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 
 
-class VerifierService(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, runtime: ServiceRuntime, max_sessions: int = 64, max_draft_tokens: int = 32,
-                 idle_timeout_s: float | None = 300.0) -> None:
-        self.runtime = runtime
-        self.idle_timeout_s = idle_timeout_s
+class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
+    role = "verifier"
+
+    def __init__(self, runtime: ServiceRuntime, **kwargs) -> None:
+        super().__init__(runtime, **kwargs)
         self.lm: LoadedModel | None = None
-        self.max_draft_tokens = max_draft_tokens
-        self.metrics = ServiceMetrics(runtime.registry, "verifier")
-        self.sessions = SessionRegistry(max_sessions, self.metrics)
-        # One model worker: forward passes run off the event loop, one at a time.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-model")
-        telemetry.current().observe_active_sessions("verifier", lambda: len(self.sessions))
 
     async def load(self, target: str, device: str | None = None) -> None:
         loop = asyncio.get_running_loop()
@@ -52,9 +45,6 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         if self.lm is None:
             raise NotReady("verifier model is still loading")
         return self.lm
-
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     @map_errors
     async def Verify(self, request_iterator, context):

@@ -101,6 +101,13 @@ def _error_message(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+async def _abort_with_status(exc: Exception, context, handler_name: str) -> None:
+    code = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("internal error in %s", handler_name)
+    await context.abort(code, _error_message(exc))
+
+
 def map_errors(handler: Callable) -> Callable:
     """Map exceptions of a unary-stream or stream-stream async-generator handler to statuses.
 
@@ -112,33 +119,25 @@ def map_errors(handler: Callable) -> Callable:
         try:
             async for response in handler(self, request, context):
                 yield response
-        except asyncio.CancelledError:
-            raise
-        except grpc.aio.AbortError:
+        except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:  # noqa: BLE001 - one place maps every failure to a status
-            code = status_for(exc)
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("internal error in %s", handler.__name__)
-            await context.abort(code, _error_message(exc))
+            await _abort_with_status(exc, context, handler.__name__)
 
     return wrapper
 
 
 def map_unary_errors(handler: Callable) -> Callable:
+    """The same mapping for unary handlers."""
+
     @functools.wraps(handler)
     async def wrapper(self, request, context):
         try:
             return await handler(self, request, context)
-        except asyncio.CancelledError:
-            raise
-        except grpc.aio.AbortError:
+        except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:  # noqa: BLE001
-            code = status_for(exc)
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("internal error in %s", handler.__name__)
-            await context.abort(code, _error_message(exc))
+            await _abort_with_status(exc, context, handler.__name__)
 
     return wrapper
 

@@ -72,3 +72,27 @@ class SessionRegistry:
         if session is not None and hasattr(session, "close"):
             session.close()
         self.metrics.active_sessions.set(len(self._sessions))
+
+
+class ModelWorkerService:
+    """What the drafter and verifier services share: session registry with its metrics, the idle
+    limit, and one model worker thread (forward passes run off the event loop, one at a time)."""
+
+    role = "service"
+
+    def __init__(self, runtime, max_sessions: int = 64, max_draft_tokens: int = 32,
+                 idle_timeout_s: float | None = 300.0) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from specdec import telemetry
+
+        self.runtime = runtime
+        self.idle_timeout_s = idle_timeout_s
+        self.max_draft_tokens = max_draft_tokens
+        self.metrics = ServiceMetrics(runtime.registry, self.role)
+        self.sessions = SessionRegistry(max_sessions, self.metrics)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-model")
+        telemetry.current().observe_active_sessions(self.role, lambda: len(self.sessions))
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
