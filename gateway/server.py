@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
@@ -55,6 +55,7 @@ class Backend:
     reported_active: int = 0  # sessions it reported at the last refresh (all gateways)
     opened_since_report: int = 0
     removed: bool = False
+    tokenizer_mismatch_logged: bool = False
 
     @property
     def load(self) -> int:
@@ -97,10 +98,10 @@ class BackendPool:
                 return
             fingerprint = info.model.tokenizer_fingerprint
             if fingerprint and self.fingerprint and fingerprint != self.fingerprint:
-                if backend.info is not None or not getattr(backend, "_warned", False):
+                if not backend.tokenizer_mismatch_logged:
                     log.error("%s %s serves %r with a different tokenizer; not using it",
                               self.role, backend.address, info.model.model)
-                    backend._warned = True
+                    backend.tokenizer_mismatch_logged = True
                 backend.info = None
                 return
             if backend.info is None:
@@ -170,7 +171,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
     # -- request validation ----------------------------------------------------------------------
     def _prompt_ids(self, request) -> list[int]:
-        given = [n for n in ("prompt", "messages", "prompt_token_ids") if (getattr(request, n) if n == "prompt" else len(getattr(request, n)))]
+        given = [n for n in ("prompt", "messages", "prompt_token_ids") if getattr(request, n)]
         if len(given) != 1:
             raise ValueError("input: set exactly one of prompt, messages, prompt_token_ids")
         if request.prompt:

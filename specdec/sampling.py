@@ -6,6 +6,7 @@ acceptance ratio p/q depends on.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -63,7 +64,7 @@ def with_random_seed(params: SamplingParams) -> SamplingParams:
     if params.seed is not None:
         return params
     seed = int(torch.randint(0, 2**62, (1,)).item())
-    return SamplingParams(**{**params.__dict__, "seed": seed})
+    return dataclasses.replace(params, seed=seed)
 
 
 def mask_beyond_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from specdec.completion import FINISH_LENGTH, FINISH_STOP, Chunk, CompletionBuil
 from specdec.drafters import ModelDrafter
 from specdec.engine import GenerationResult, run_sync
 from specdec.local import LocalEngine
-from specdec.policy import DraftLengthPolicy, FixedDraftLength
+from specdec.policy import DraftLengthPolicy
 from specdec.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
