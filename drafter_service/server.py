@@ -8,11 +8,11 @@ import time
 
 from specdec import telemetry
 from specdec.drafters import Drafter, DraftSession, ModelDrafter, NgramDrafter
-from specdec.models import LoadedModel, load_model, load_tokenizer, tokenizer_fingerprint
+from specdec.models import EMBEDDED_DRAFT, LoadedModel, load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.rpc import convert
 from specdec.rpc.server import NotReady, idle_guard, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
 from specdec.rpc.sessions import ModelWorkerService
-from specdec.sampling import SamplingParams
+from specdec.sampling import DraftProposal, SamplingParams
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, types_pb2
 
 log = logging.getLogger("specdec.drafter")
@@ -31,8 +31,7 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
     async def load(self, method: str, draft_model: str | None, device: str | None = None) -> None:
         loop = asyncio.get_running_loop()
         if method == "model":
-            if not draft_model:
-                raise SystemExit("--draft-model is required for --method model")
+            draft_model = draft_model or EMBEDDED_DRAFT
             self.lm = await loop.run_in_executor(self.executor, lambda: load_model(draft_model, device=device))
             self.drafter = ModelDrafter(self.lm)
         elif method == "ngram":
@@ -61,6 +60,7 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
         key = None
         cancelled = asyncio.Event()  # set by an out-of-band cancel of this session
         session: DraftSession | None = None
+        ahead_block: list[int] = []  # the last block drafted ahead (draft-ahead)
         trace = telemetry.current().session_trace(context, SERVICE_NAME, "Draft", "drafter")  # None: off
         try:
             async for request in idle_guard(request_iterator, self.idle_timeout_s, cancelled):
@@ -91,6 +91,15 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
                         raise ValueError(
                             f"num_draft_tokens: {k} exceeds this drafter's limit ({self.max_draft_tokens})"
                         )
+                    ahead_n, used = propose.ahead_tokens, propose.ahead_used
+                    if ahead_n > self.max_draft_tokens:
+                        raise ValueError(
+                            f"ahead_tokens: {ahead_n} exceeds this drafter's limit ({self.max_draft_tokens})"
+                        )
+                    if used and k:
+                        raise ValueError("ahead_used: only with num_draft_tokens = 0 (the block was drafted ahead)")
+                    if used > len(ahead_block):
+                        raise ValueError(f"ahead_used: {used} exceeds the last ahead block ({len(ahead_block)} tokens)")
                     committed = [int(t) for t in propose.committed_token_ids]
                     if committed:
                         self._validate_ids(committed, "committed_token_ids")
@@ -103,6 +112,22 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
                         round=propose.round, service_time_us=int((time.perf_counter() - received) * 1e6),
                         **convert.proposal_fields(proposal),
                     ))
+                    if ahead_n:
+                        # Draft the next block while the gateway has this one verified.
+                        started = time.perf_counter()
+                        in_flight = proposal.draft_tokens if k else ahead_block[:used]
+                        block = await self._run(session.propose_ahead, in_flight, ahead_n) if in_flight else None
+                        assumed, ahead = block if block is not None else ([], DraftProposal())
+                        ahead_block = list(ahead.draft_tokens)
+                        self.metrics.tokens.inc(len(ahead))
+                        if trace is not None:
+                            trace.step("draft_ahead", started, round=propose.round, drafted=len(ahead))
+                        yield drafter_pb2.DraftResponse(ahead=drafter_pb2.DraftAhead(
+                            round=propose.round, assumed_token_ids=assumed,
+                            proposal=drafter_pb2.DraftProposal(
+                                round=propose.round, service_time_us=int((time.perf_counter() - started) * 1e6),
+                                **convert.proposal_fields(ahead)),
+                        ))
                 else:
                     raise ValueError("kind: set start or propose")
         except BaseException as exc:

@@ -15,14 +15,24 @@ from specdec.verification import Verdict
 log = logging.getLogger("specdec.gateway")
 
 CLOSE_WAIT_S = 1.0
+# What a drafter link survives by proposing nothing from then on.
+_DRAFTER_FAILURES = (grpc.aio.AioRpcError, ConnectionError, ValueError, grpc.aio.UsageError)
 
 
-async def _read(call, what: str):
+async def _read(call, what: str, delay_s: float = 0.0):
     response = await call.read()
     if response is grpc.aio.EOF:
         # The server ended the stream without a status error: treat as unavailable.
         raise ConnectionError(f"{what} stream ended early")
+    if delay_s:
+        await asyncio.sleep(delay_s)  # injected one-way network delay (--net-delay-ms)
     return response
+
+
+async def _write(call, message, delay_s: float = 0.0) -> None:
+    if delay_s:
+        await asyncio.sleep(delay_s)
+    await call.write(message)
 
 
 async def _close(call) -> None:
@@ -45,8 +55,9 @@ class RemoteVerifier:
     """``VerifierLink`` over one ``Verifier.Verify`` stream."""
 
     def __init__(self, stub, session_id: str, prompt_ids: list[int], params: SamplingParams,
-                 timeout: float | None, metadata=None) -> None:
+                 timeout: float | None, metadata=None, net_delay_s: float = 0.0) -> None:
         self.call = stub.Verify(timeout=timeout, metadata=metadata)
+        self.net_delay_s = net_delay_s
         self.session_id = session_id
         self.prompt_ids = prompt_ids
         self.params = params
@@ -60,16 +71,16 @@ class RemoteVerifier:
             prompt_token_ids=self.prompt_ids,
             sampling=convert.sampling_to_pb(self.params),
         )
-        await self.call.write(verifier_pb2.VerifyRequest(start=start))
-        response = await _read(self.call, "verifier")
+        await _write(self.call, verifier_pb2.VerifyRequest(start=start), self.net_delay_s)
+        response = await _read(self.call, "verifier", self.net_delay_s)
         self.prefill_service_s = response.service_time_us * 1e-6
         return convert.verdict_from_pb(response)
 
     async def verify(self, proposal: DraftProposal) -> Verdict:
         self.round += 1
         block = verifier_pb2.VerifyBlock(round=self.round, **convert.proposal_fields(proposal))
-        await self.call.write(verifier_pb2.VerifyRequest(block=block))
-        response = await _read(self.call, "verifier")
+        await _write(self.call, verifier_pb2.VerifyRequest(block=block), self.net_delay_s)
+        response = await _read(self.call, "verifier", self.net_delay_s)
         self.service_s += response.service_time_us * 1e-6
         return convert.verdict_from_pb(response)
 
@@ -85,8 +96,10 @@ class RemoteDrafter:
     """
 
     def __init__(self, stub, session_id: str, prompt_ids: list[int], params: SamplingParams,
-                 timeout: float | None, metadata=None, draft_top_k: int = 0) -> None:
+                 timeout: float | None, metadata=None, draft_top_k: int = 0, net_delay_s: float = 0.0) -> None:
         self.call = stub.Draft(timeout=timeout, metadata=metadata)
+        self.net_delay_s = net_delay_s
+        self._ahead_task: asyncio.Task | None = None  # reads the drafter's DraftAhead message
         self.session_id = session_id
         self.prompt_ids = prompt_ids
         self.params = params
@@ -108,10 +121,15 @@ class RemoteDrafter:
             sampling=convert.sampling_to_pb(self.params),
             draft_top_k=self.draft_top_k,
         )
-        await self.call.write(drafter_pb2.DraftRequest(start=start))
-        await _read(self.call, "drafter")
+        await _write(self.call, drafter_pb2.DraftRequest(start=start), self.net_delay_s)
+        await _read(self.call, "drafter", self.net_delay_s)
 
-    async def propose(self, committed: list[int], num_draft_tokens: int) -> DraftProposal:
+    def _fail(self, exc: BaseException) -> None:
+        log.warning("drafter failed for session %s (%s); continuing without drafts", self.session_id, exc)
+        self.broken = exc
+        self.call.cancel()
+
+    async def propose(self, committed: list[int], num_draft_tokens: int, ahead_tokens: int = 0) -> DraftProposal:
         if self.broken is not None:
             return DraftProposal()
         try:
@@ -119,21 +137,56 @@ class RemoteDrafter:
             await self._start_task
             self.round += 1
             propose = drafter_pb2.DraftPropose(
-                round=self.round, committed_token_ids=committed, num_draft_tokens=num_draft_tokens
+                round=self.round, committed_token_ids=committed, num_draft_tokens=num_draft_tokens,
+                ahead_tokens=ahead_tokens,
             )
-            await self.call.write(drafter_pb2.DraftRequest(propose=propose))
-            response = await _read(self.call, "drafter")
+            await _write(self.call, drafter_pb2.DraftRequest(propose=propose), self.net_delay_s)
+            response = await _read(self.call, "drafter", self.net_delay_s)
             self.service_s += response.proposal.service_time_us * 1e-6
+            if ahead_tokens:
+                self._ahead_task = asyncio.ensure_future(self._read_ahead())
             return convert.proposal_from_pb(response.proposal)
-        except (grpc.aio.AioRpcError, ConnectionError, ValueError, grpc.aio.UsageError) as exc:
-            log.warning("drafter failed for session %s (%s); continuing without drafts", self.session_id, exc)
-            self.broken = exc
-            self.call.cancel()
+        except _DRAFTER_FAILURES as exc:
+            self._fail(exc)
             return DraftProposal()
 
+    async def _read_ahead(self) -> tuple[list[int], DraftProposal] | None:
+        response = await _read(self.call, "drafter", self.net_delay_s)
+        if response.WhichOneof("kind") != "ahead":
+            raise ValueError("drafter: expected a DraftAhead message")
+        assumed = [int(t) for t in response.ahead.assumed_token_ids]
+        return (assumed, convert.proposal_from_pb(response.ahead.proposal)) if assumed else None
+
+    async def take_ahead(self) -> tuple[list[int], DraftProposal] | None:
+        """The block drafted ahead during the last verification (waits for it if still coming)."""
+        task, self._ahead_task = self._ahead_task, None
+        if task is None or self.broken is not None:
+            return None
+        try:
+            return await task
+        except _DRAFTER_FAILURES as exc:
+            self._fail(exc)
+            return None
+
+    async def continue_ahead(self, committed: list[int], used: int, ahead_tokens: int) -> None:
+        """``used`` tokens of the last ahead block are being verified: draft the block after them."""
+        if self.broken is not None:
+            return
+        self.round += 1
+        propose = drafter_pb2.DraftPropose(round=self.round, committed_token_ids=committed, num_draft_tokens=0,
+                                           ahead_tokens=ahead_tokens, ahead_used=used)
+
+        async def send_and_read():
+            await _write(self.call, drafter_pb2.DraftRequest(propose=propose), self.net_delay_s)
+            await _read(self.call, "drafter", self.net_delay_s)  # the (empty) proposal
+            return await self._read_ahead()
+
+        self._ahead_task = asyncio.ensure_future(send_and_read())
+
     async def close(self) -> None:
-        if self._start_task is not None and not self._start_task.done():
-            self._start_task.cancel()
+        for task in (self._start_task, self._ahead_task):
+            if task is not None and not task.done():
+                task.cancel()
         await _close(self.call)
 
 
@@ -154,8 +207,9 @@ class MigratingVerifier:
     """
 
     def __init__(self, pool, backend, session_id: str, prompt_ids: list[int], params: SamplingParams,
-                 remaining_s, metadata=None) -> None:
+                 remaining_s, metadata=None, net_delay_s: float = 0.0) -> None:
         self.pool = pool
+        self.net_delay_s = net_delay_s
         self.session_id = session_id
         self.params = params
         self.remaining_s = remaining_s  # callable: the client's remaining deadline, or None
@@ -168,7 +222,7 @@ class MigratingVerifier:
     def _open(self, backend, prompt_ids: list[int]) -> RemoteVerifier:
         backend.in_flight += 1
         return RemoteVerifier(backend.stub, self.session_id, list(prompt_ids), self.params,
-                              self.remaining_s(), self.metadata)
+                              self.remaining_s(), self.metadata, self.net_delay_s)
 
     async def _migrate(self, error: BaseException) -> Verdict:
         failed = self.backend

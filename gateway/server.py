@@ -44,6 +44,14 @@ class GatewayLimits:
 
 
 @dataclass
+class LinkOptions:
+    """How the gateway drives its downstream streams."""
+
+    draft_ahead: bool = False  # default for requests that leave speculation.draft_ahead unspecified
+    net_delay_s: float = 0.0  # injected one-way delay per message (benchmarks of cross-machine links)
+
+
+@dataclass
 class Backend:
     """One drafter or verifier replica and its load."""
 
@@ -128,8 +136,9 @@ class BackendPool:
 
 class GatewayService(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, runtime: ServiceRuntime, tokenizer, limits: GatewayLimits,
-                 verifiers: BackendPool, drafters: BackendPool) -> None:
+                 verifiers: BackendPool, drafters: BackendPool, link_options: LinkOptions | None = None) -> None:
         self.runtime = runtime
+        self.link_options = link_options or LinkOptions()
         self.tokenizer = tokenizer
         self.fingerprint = tokenizer_fingerprint(tokenizer)
         self.vocab_size = len(tokenizer)
@@ -217,7 +226,12 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             raise ValueError("prompt: no room left in the model context")
         if method == "auto":
             method = "model" if self.drafters.ready("model") else "ngram"
-        return prompt_ids, params, method, k
+        mode = request.speculation.draft_ahead
+        if mode not in gateway_pb2.DraftAheadMode.values():
+            raise ValueError(f"speculation.draft_ahead: unknown value {mode}")
+        draft_ahead = self.link_options.draft_ahead if mode == gateway_pb2.DRAFT_AHEAD_MODE_UNSPECIFIED \
+            else mode == gateway_pb2.DRAFT_AHEAD_MODE_ON
+        return prompt_ids, params, method, k, draft_ahead
 
     # -- the RPC ---------------------------------------------------------------------------------
     @map_errors
@@ -235,7 +249,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
     async def _generate(self, request, context, obs: telemetry.RequestTelemetry):
         try:
-            prompt_ids, params, method, k = self._validate(request)
+            prompt_ids, params, method, k, draft_ahead = self._validate(request)
         except ValueError:
             self.metrics.rejected.labels("gateway", "INVALID_ARGUMENT").inc()
             raise
@@ -252,15 +266,17 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.active += 1
         self.metrics.active_sessions.set(self.active)
         self.metrics.requests.inc()
+        links = self.link_options
         verifier = MigratingVerifier(self.verifiers, verifier_backend, request_id, prompt_ids, params,
-                                     context.time_remaining, metadata)
+                                     context.time_remaining, metadata, links.net_delay_s)
         drafter_link, drafter_backend, remote_drafter = None, None, None
         if method in ("model", "ngram"):
             # A drafter service of that method if one runs; n-gram lookup can also run right here.
             drafter_backend = self.drafters.pick(method)
             if drafter_backend is not None:
                 drafter_backend.in_flight += 1
-                remote_drafter = RemoteDrafter(drafter_backend.stub, request_id, prompt_ids, params, timeout, metadata)
+                remote_drafter = RemoteDrafter(drafter_backend.stub, request_id, prompt_ids, params, timeout, metadata,
+                                               net_delay_s=links.net_delay_s)
                 remote_drafter.begin()
                 drafter_link = remote_drafter
             elif method == "ngram":
@@ -282,6 +298,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 draft_method=method,
                 max_context=self.max_positions,
                 on_round=obs.on_round,
+                draft_ahead=remote_drafter is not None and draft_ahead,
             )
             async for event in events:
                 if isinstance(event, GenerationResult):
@@ -312,7 +329,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
 async def serve(target: str, verifier_addresses: list[str], drafter_addresses: list[str],
                 options: ServeOptions, limits: GatewayLimits, discover_verifiers: str | None = None,
-                discover_drafters: str | None = None, namespace: str | None = None) -> None:
+                discover_drafters: str | None = None, namespace: str | None = None,
+                link_options: LinkOptions | None = None) -> None:
     if not verifier_addresses and not discover_verifiers:
         raise SystemExit("the gateway needs --verifier addresses or --discover-verifiers SERVICE")
     runtime = ServiceRuntime(SERVICE_NAME, options)
@@ -336,7 +354,7 @@ async def serve(target: str, verifier_addresses: list[str], drafter_addresses: l
                 )
                 watcher.start()
                 watchers.append(watcher)
-    service = GatewayService(runtime, tokenizer, limits, verifiers, drafters)
+    service = GatewayService(runtime, tokenizer, limits, verifiers, drafters, link_options)
     service.model_name = target
     gateway_pb2_grpc.add_GatewayServicer_to_server(service, runtime.server)
     port = await runtime.start()

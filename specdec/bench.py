@@ -5,6 +5,8 @@ Runs prompt sets (MT-bench, HumanEval, or JSONL files in either format) through 
 
 - ``spec``: the gateway with adaptive draft length (``num_draft_tokens=0``);
 - ``spec-k=N``: the gateway with a fixed draft length N;
+- ``spec-ahead`` / ``spec-noahead``: ``spec`` with draft-ahead forced on / off for the request
+  (``spec`` takes the gateway's ``--draft-ahead`` default);
 - ``baseline``: the same stack with ``method=none`` (plain decoding);
 - ``inprocess``: the core loop without gRPC (``specdec.local.LocalEngine``, adaptive k);
 - ``hf``: transformers ``generate`` on the target alone;
@@ -53,7 +55,7 @@ BUILTIN_PROMPTS = {
     "mt_bench": ("mt_bench", "question.jsonl"),
     "humaneval": ("humaneval", "HumanEval.jsonl.gz"),
 }
-SYSTEM_KINDS = ("spec", "spec-k=N", "baseline", "inprocess", "hf", "hf-assisted")
+SYSTEM_KINDS = ("spec", "spec-k=N", "spec-ahead", "spec-noahead", "baseline", "inprocess", "hf", "hf-assisted")
 DEFAULT_GATEWAY_SYSTEMS = "spec,baseline"
 DEFAULT_LOCAL_SYSTEMS = "inprocess,baseline,hf"
 VERIFY_CURVE_TOKENS = 16  # the target's forward is timed over 1..16 tokens (k = 0..15)
@@ -149,6 +151,7 @@ class SystemSpec:
     method: str = "auto"  # gateway: auto | none; local: draft | none
     num_draft_tokens: int = 0  # 0 = adaptive
     assisted: bool = False
+    draft_ahead: bool | None = None  # gateway: None = the gateway's default
 
 
 def parse_systems(text: str, local: bool) -> list[SystemSpec]:
@@ -162,6 +165,10 @@ def parse_systems(text: str, local: bool) -> list[SystemSpec]:
             if k < 1:
                 raise ValueError("--systems: spec-k=N needs N >= 1")
             spec = SystemSpec(name, stack, "auto", k)
+        elif name in ("spec-ahead", "spec-noahead"):
+            if local:
+                raise ValueError(f"--systems: {name} needs a gateway (draft-ahead overlaps separate services)")
+            spec = SystemSpec(name, stack, "auto", 0, draft_ahead=name == "spec-ahead")
         elif name == "baseline":
             spec = SystemSpec(name, stack, "none", 0)
         elif name == "inprocess":
@@ -226,16 +233,17 @@ class Runner:
 
 
 class GatewayRunner(Runner):
-    def __init__(self, client, method: str, num_draft_tokens: int) -> None:
+    def __init__(self, client, method: str, num_draft_tokens: int, draft_ahead: bool | None = None) -> None:
         self.client = client
         self.method = method
         self.num_draft_tokens = num_draft_tokens
+        self.draft_ahead = draft_ahead
 
     def generate(self, *, messages, prompt, max_new_tokens, temperature, seed) -> Outcome:
         from specdec.client import ChunkEvent
 
         kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                      method=self.method, num_draft_tokens=self.num_draft_tokens)
+                      method=self.method, num_draft_tokens=self.num_draft_tokens, draft_ahead=self.draft_ahead)
         if messages is not None:
             kwargs["messages"] = messages
         else:
@@ -637,6 +645,8 @@ def summarize_records(records: Sequence[RequestRecord], duration_s: float) -> di
             "k_counts": {str(k): ks.count(k) for k in sorted(set(ks))},
             "draft_s": sum(float(s.get("draft_s", 0.0)) for s in stats),
             "verify_s": sum(float(s.get("verify_s", 0.0)) for s in stats),
+            "ahead_blocks": sum(int(s.get("ahead_blocks", 0)) for s in stats),
+            "ahead_hits": sum(int(s.get("ahead_hits", 0)) for s in stats),
         })
     else:
         out.update({"acceptance_rate": None, "mean_accepted_length": None})
@@ -748,7 +758,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gateway", default=None, help="gateway address HOST:PORT (default localhost:50051)")
     p.add_argument("--local", action="store_true", help="no gateway: run every system in this process")
     p.add_argument("--target", default="embedded", help="target model for local systems (hub id, dir, 'embedded')")
-    p.add_argument("--draft-model", default=None, help="draft model for local systems (default: n-gram drafter)")
+    p.add_argument("--draft-model", default=None, help="draft model for local systems (default: the shipped draft for the embedded target, else n-gram)")
     p.add_argument("--device", default=None, help="device for local models (default: cuda if present)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for local models (default: torch's; 1 is faster on a busy machine)")
@@ -807,9 +817,9 @@ class ModelCache:
         return self._target
 
     def draft(self):
-        if self._draft is None and self.args.draft_model:
-            from specdec.models import check_compatible, load_model
+        from specdec.models import check_compatible, load_model
 
+        if self._draft is None and self.args.draft_model:
             self._draft = load_model(self.args.draft_model, device=self.args.device)
             check_compatible(self.target(), self._draft)
         return self._draft
@@ -823,7 +833,10 @@ class ModelCache:
 
 def run_bench(args) -> dict:
     """Run the benchmark described by ``args`` (the ``bench`` subcommand's namespace); returns the summary."""
+    from specdec.models import default_draft_model
+
     validate_args(args)
+    args.draft_model = args.draft_model or default_draft_model(args.target)
     if args.threads:
         import torch
 
@@ -851,7 +864,7 @@ def run_bench(args) -> dict:
                     from specdec.client import GatewayClient
 
                     client = GatewayClient(gateway_address, timeout=args.timeout)
-                runner: Runner = GatewayRunner(client, spec.method, spec.num_draft_tokens)
+                runner: Runner = GatewayRunner(client, spec.method, spec.num_draft_tokens, spec.draft_ahead)
             elif spec.kind == "local":
                 drafter = models.drafter() if spec.method != "none" else None
                 runner = LocalRunner(models.target(), drafter, spec.num_draft_tokens)
@@ -945,8 +958,9 @@ def compute_speedups(summaries: dict) -> dict:
         "hf_assisted_vs_hf": ratio(tps("hf-assisted"), tps("hf")),
     }
     for name in summaries:
-        if name.startswith("spec-k="):
+        if name.startswith("spec-k=") or name in ("spec-ahead", "spec-noahead"):
             out[f"{name}_vs_baseline"] = ratio(tps(name), tps("baseline"))
+    out["ahead_vs_noahead"] = ratio(tps("spec-ahead"), tps("spec-noahead"))
     return out
 
 

@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_flags(verifier, 50053)
     drafter = roles.add_parser("drafter")
     drafter.add_argument("--method", choices=["model", "ngram"], default="model")
-    drafter.add_argument("--draft-model", default=None)
+    drafter.add_argument("--draft-model", default=None,
+                         help="hub id or local dir (default for --method model: the shipped draft of the embedded target)")
     _add_serve_flags(drafter, 50052)
     gateway = roles.add_parser("gateway")
     gateway.add_argument("--target", default=DEFAULT_TARGET, help="model whose tokenizer and chat template to use")
@@ -92,11 +93,21 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--max-new-tokens-cap", type=int, default=2048)
     gateway.add_argument("--default-max-new-tokens", type=int, default=128)
     gateway.add_argument("--max-draft-tokens", type=int, default=16)
+    gateway.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=False,
+                         help="drafters draft the next block while a verification is in flight "
+                              "(requests may override with speculation.draft_ahead)")
+    gateway.add_argument("--net-delay-ms", type=float, default=0.0,
+                         help="inject this one-way delay on every message to drafters and verifiers "
+                              "(benchmarks of cross-machine round trips; keep 0 in production)")
     _add_serve_flags(gateway, 50051)
 
     up = sub.add_parser("up", help="start drafter, verifier and gateway locally")
     up.add_argument("--target", default=DEFAULT_TARGET)
-    up.add_argument("--draft-model", default=None, help="draft model (default: n-gram drafter service)")
+    up.add_argument("--draft-model", default=None,
+                    help="draft model (default: the shipped draft for the embedded target, else n-gram lookup)")
+    up.add_argument("--draft-method", choices=["auto", "model", "ngram"], default="auto")
+    up.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=False)
+    up.add_argument("--net-delay-ms", type=float, default=0.0, help="gateway: injected one-way delay per message")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=50051, help="gateway port; drafter +1, verifier +2")
 
@@ -139,7 +150,7 @@ def _generate_local(args) -> int:
 
     from specdec.completion import Chunk
     from specdec.drafters import ModelDrafter, NgramDrafter
-    from specdec.models import check_compatible, load_model
+    from specdec.models import check_compatible, default_draft_model, load_model
     from specdec.prompts import encode_chat, encode_text
     from specdec.local import LocalEngine
     from specdec.sampling import SamplingParams
@@ -147,14 +158,15 @@ def _generate_local(args) -> int:
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     target = load_model(args.target)
     method = args.draft
+    draft_model = args.draft_model or default_draft_model(args.target)
     if method == "auto":
-        method = "model" if args.draft_model else "ngram"
+        method = "model" if draft_model else "ngram"
     drafter = None
     if method == "model":
-        if not args.draft_model:
-            print("error: --draft model needs --draft-model", file=sys.stderr)
+        if not draft_model:
+            print("error: --draft model needs --draft-model (no shipped draft for this target)", file=sys.stderr)
             return 2
-        draft = load_model(args.draft_model)
+        draft = load_model(draft_model)
         check_compatible(target, draft)
         drafter = ModelDrafter(draft)
     elif method == "ngram":
@@ -251,7 +263,7 @@ def _serve(args) -> int:
         coro = serve(args.method, args.draft_model, options, max_sessions=args.max_sessions, device=args.device,
                      idle_timeout_s=args.idle_timeout)
     else:
-        from gateway.server import GatewayLimits, serve
+        from gateway.server import GatewayLimits, LinkOptions, serve
 
         limits = GatewayLimits(
             max_sessions=args.max_sessions,
@@ -262,7 +274,8 @@ def _serve(args) -> int:
         )
         coro = serve(args.target, args.verifier, args.drafter, options, limits,
                      discover_verifiers=args.discover_verifiers, discover_drafters=args.discover_drafters,
-                     namespace=args.namespace)
+                     namespace=args.namespace,
+                     link_options=LinkOptions(draft_ahead=args.draft_ahead, net_delay_s=args.net_delay_ms / 1000))
     from specdec import telemetry
 
     telemetry.setup(f"specdec-{args.role}", endpoint=args.otlp_endpoint, detail=args.trace_detail)
@@ -281,22 +294,29 @@ def _pump(prefix: str, stream) -> None:
 
 def _up(args) -> int:
     """Start the three services as child processes; Ctrl-C (or SIGTERM) stops them all."""
-    from specdec.models import resolve_model_path
+    from specdec.models import default_draft_model, resolve_model_path
 
     resolve_model_path(args.target)  # convert the embedded model once, before three processes race
     gateway_port, drafter_port, verifier_port = args.port, args.port + 1, args.port + 2
     host = args.host
     base = [sys.executable, "-m", "specdec.cli", "serve"]
     drafter_cmd = base + ["drafter", "--host", host, "--port", str(drafter_port)]
-    if args.draft_model:
-        drafter_cmd += ["--method", "model", "--draft-model", args.draft_model]
+    draft_model = args.draft_model or default_draft_model(args.target)
+    method = args.draft_method if args.draft_method != "auto" else ("model" if draft_model else "ngram")
+    if method == "model":
+        if not draft_model:
+            print("error: --draft-method model needs --draft-model (no shipped draft for this target)", file=sys.stderr)
+            return 2
+        drafter_cmd += ["--method", "model", "--draft-model", draft_model]
     else:
         drafter_cmd += ["--method", "ngram", "--draft-model", args.target]
     commands = {
         "verifier": base + ["verifier", "--target", args.target, "--host", host, "--port", str(verifier_port)],
         "drafter": drafter_cmd,
         "gateway": base + ["gateway", "--target", args.target, "--host", host, "--port", str(gateway_port),
-                           "--verifier", f"{host}:{verifier_port}", "--drafter", f"{host}:{drafter_port}"],
+                           "--verifier", f"{host}:{verifier_port}", "--drafter", f"{host}:{drafter_port}",
+                           "--draft-ahead" if args.draft_ahead else "--no-draft-ahead",
+                           "--net-delay-ms", str(args.net_delay_ms)],
     }
     procs = {}
     for name, cmd in commands.items():

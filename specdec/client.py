@@ -60,8 +60,10 @@ def build_request(
     ignore_eos: bool = False,
     method: str = "auto",
     num_draft_tokens: int = 0,
+    draft_ahead: bool | None = None,
     request_id: str = "",
 ) -> gateway_pb2.GenerateRequest:
+    """``draft_ahead``: None = the gateway's default; True/False = on/off for this request."""
     sampling = types_pb2.SamplingParams(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, stop=list(stop), ignore_eos=ignore_eos
     )
@@ -72,7 +74,11 @@ def build_request(
     request = gateway_pb2.GenerateRequest(
         request_id=request_id,
         sampling=sampling,
-        speculation=gateway_pb2.SpeculationParams(method=method, num_draft_tokens=num_draft_tokens),
+        speculation=gateway_pb2.SpeculationParams(
+            method=method, num_draft_tokens=num_draft_tokens,
+            draft_ahead={None: gateway_pb2.DRAFT_AHEAD_MODE_UNSPECIFIED, True: gateway_pb2.DRAFT_AHEAD_MODE_ON,
+                         False: gateway_pb2.DRAFT_AHEAD_MODE_OFF}[draft_ahead],
+        ),
     )
     if prompt is not None:
         request.prompt = prompt

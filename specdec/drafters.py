@@ -38,6 +38,27 @@ class DraftSession(ABC):
     def propose(self, num_draft_tokens: int) -> DraftProposal:
         """Up to ``num_draft_tokens`` draft tokens continuing ``self.tokens``."""
 
+    def propose_ahead(self, in_flight: list[int], num_draft_tokens: int) -> tuple[list[int], DraftProposal] | None:
+        """Draft-ahead: the block for the round after ``in_flight`` (drafts now being verified).
+
+        Assumes the verifier accepts all of ``in_flight`` and commits this drafter's own next token
+        (its guess for the bonus token). Returns ``(assumed, proposal)`` with ``assumed`` =
+        ``in_flight`` + [guess], or None when there is nothing to guess. The committed sequence is
+        unchanged. If the verifier then commits exactly ``assumed``, ``proposal`` is what ``propose``
+        would return after ``extend(assumed)`` (same context, same position-keyed draws), so using it
+        keeps the output exact; otherwise it is discarded.
+        """
+        committed = self.tokens
+        self.tokens = committed + [int(t) for t in in_flight]
+        try:
+            block = self.propose(num_draft_tokens + 1)
+        finally:
+            self.tokens = committed
+        if len(block) == 0:
+            return None
+        rest = DraftProposal(block.draft_tokens[1:], None if block.draft_probs is None else block.draft_probs[1:])
+        return [int(t) for t in in_flight] + [int(block.draft_tokens[0])], rest
+
     def prefill(self) -> None:
         """Optionally process the prompt ahead of the first proposal (overlaps the target's prefill)."""
 

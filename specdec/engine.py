@@ -33,6 +33,22 @@ class DrafterLink(Protocol):
         ...
 
 
+class AheadDrafterLink(DrafterLink, Protocol):
+    """A drafter link that can draft the next block while a verification is in flight.
+
+    ``propose(..., ahead_tokens=n)`` also starts drafting ``n`` tokens past the proposal;
+    ``take_ahead()`` returns that block as ``(assumed, proposal)`` (None if there is none);
+    ``continue_ahead(committed, used, n)`` tells the drafter that the first ``used`` tokens of its
+    last block went to verification and starts the block after them.
+    """
+
+    async def propose(self, committed: list[int], num_draft_tokens: int, ahead_tokens: int = 0) -> DraftProposal: ...
+
+    async def take_ahead(self) -> tuple[list[int], DraftProposal] | None: ...
+
+    async def continue_ahead(self, committed: list[int], used: int, ahead_tokens: int) -> None: ...
+
+
 @dataclass
 class GenerationStats:
     """Speculation figures for one generation (all counts stop at the finish point)."""
@@ -50,6 +66,8 @@ class GenerationStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     completion_tokens: int = 0
+    ahead_blocks: int = 0  # draft-ahead blocks received
+    ahead_hits: int = 0  # ... whose assumption held, so they were verified without drafting
 
     @property
     def acceptance_rate(self) -> float:
@@ -103,6 +121,8 @@ class GenerationStats:
             "total_s": self.total_s,
             "draft_s": self.draft_s,
             "verify_s": self.verify_s,
+            "ahead_blocks": self.ahead_blocks,
+            "ahead_hits": self.ahead_hits,
         }
 
 
@@ -141,11 +161,14 @@ async def generate(
     draft_method: str = "none",
     max_context: int | None = None,
     on_round: Callable[[RoundRecord], None] | None = None,
+    draft_ahead: bool = False,
 ) -> AsyncIterator[Chunk | GenerationResult]:
     """Run one generation; yields ``Chunk``s as tokens commit, then one ``GenerationResult``.
 
     ``on_round``, if given, is called once per verification round (observability hooks; the
-    loop itself never depends on it).
+    loop itself never depends on it). ``draft_ahead`` (with an ``AheadDrafterLink``): the drafter
+    drafts the next block while each verification is in flight; when the verdict commits exactly
+    what that block assumed, the block is verified at once (no drafting round trip).
     """
     stats = GenerationStats(draft_method=draft_method if drafter is not None else "none")
     start = time.perf_counter()
@@ -164,8 +187,22 @@ async def generate(
         k = policy.choose(max(0, max_k)) if drafter is not None else 0
         proposal = DraftProposal()
         t0 = time.perf_counter()
-        if k > 0:
-            proposal = await drafter.propose(pending, k)
+        if draft_ahead and drafter is not None:
+            # Always drain the block in flight: it sits on the drafter stream before any new answer.
+            block = await drafter.take_ahead()
+            if block is not None:
+                stats.ahead_blocks += 1
+                assumed, ahead = block
+                if k > 0 and len(ahead) > 0 and list(verdict.tokens) == assumed:
+                    proposal = ahead.prefix(k)
+                    stats.ahead_hits += 1
+                    await drafter.continue_ahead(pending, len(proposal), k)
+                    pending = []
+        if k > 0 and len(proposal) == 0:
+            if draft_ahead:
+                proposal = await drafter.propose(pending, k, ahead_tokens=k)
+            else:
+                proposal = await drafter.propose(pending, k)
             pending = []
         t1 = time.perf_counter()
         verdict = await verifier.verify(proposal)

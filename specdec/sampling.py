@@ -188,6 +188,11 @@ class DraftProposal:
     def __len__(self) -> int:
         return len(self.draft_tokens)
 
+    def prefix(self, n: int) -> "DraftProposal":
+        """The first ``n`` drafts (a draft's q does not depend on later drafts)."""
+        probs = None if self.draft_probs is None else self.draft_probs[:n]
+        return DraftProposal(self.draft_tokens[:n], probs)
+
     def q(self, i: int) -> SparseDistribution:
         if self.draft_probs is None:
             return SparseDistribution.one_hot(self.draft_tokens[i])

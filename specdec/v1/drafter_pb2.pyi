@@ -28,22 +28,38 @@ class DraftStart(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., draft_top_k: _Optional[int] = ...) -> None: ...
 
 class DraftPropose(_message.Message):
-    __slots__ = ("round", "committed_token_ids", "num_draft_tokens")
+    __slots__ = ("round", "committed_token_ids", "num_draft_tokens", "ahead_tokens", "ahead_used")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_USED_FIELD_NUMBER: _ClassVar[int]
     round: int
     committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_draft_tokens: int
-    def __init__(self, round: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+    ahead_tokens: int
+    ahead_used: int
+    def __init__(self, round: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., ahead_tokens: _Optional[int] = ..., ahead_used: _Optional[int] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("started", "proposal")
+    __slots__ = ("started", "proposal", "ahead")
     STARTED_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     started: DraftStarted
     proposal: DraftProposal
-    def __init__(self, started: _Optional[_Union[DraftStarted, _Mapping]] = ..., proposal: _Optional[_Union[DraftProposal, _Mapping]] = ...) -> None: ...
+    ahead: DraftAhead
+    def __init__(self, started: _Optional[_Union[DraftStarted, _Mapping]] = ..., proposal: _Optional[_Union[DraftProposal, _Mapping]] = ..., ahead: _Optional[_Union[DraftAhead, _Mapping]] = ...) -> None: ...
+
+class DraftAhead(_message.Message):
+    __slots__ = ("round", "assumed_token_ids", "proposal")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    proposal: DraftProposal
+    def __init__(self, round: _Optional[int] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., proposal: _Optional[_Union[DraftProposal, _Mapping]] = ...) -> None: ...
 
 class DraftStarted(_message.Message):
     __slots__ = ("session_id",)

@@ -8,11 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DraftAheadMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAFT_AHEAD_MODE_UNSPECIFIED: _ClassVar[DraftAheadMode]
+    DRAFT_AHEAD_MODE_ON: _ClassVar[DraftAheadMode]
+    DRAFT_AHEAD_MODE_OFF: _ClassVar[DraftAheadMode]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+DRAFT_AHEAD_MODE_UNSPECIFIED: DraftAheadMode
+DRAFT_AHEAD_MODE_ON: DraftAheadMode
+DRAFT_AHEAD_MODE_OFF: DraftAheadMode
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -26,12 +35,14 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("method", "num_draft_tokens")
+    __slots__ = ("method", "num_draft_tokens", "draft_ahead")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
     method: str
     num_draft_tokens: int
-    def __init__(self, method: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+    draft_ahead: DraftAheadMode
+    def __init__(self, method: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., draft_ahead: _Optional[_Union[DraftAheadMode, str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "messages", "prompt_token_ids", "sampling", "speculation")
@@ -58,7 +69,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("draft_method", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "per_position_acceptance", "ttft_s", "tokens_per_s", "k_history", "total_s", "draft_s", "verify_s")
+    __slots__ = ("draft_method", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "per_position_acceptance", "ttft_s", "tokens_per_s", "k_history", "total_s", "draft_s", "verify_s", "ahead_blocks", "ahead_hits")
     DRAFT_METHOD_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +83,8 @@ class GenerationStats(_message.Message):
     TOTAL_S_FIELD_NUMBER: _ClassVar[int]
     DRAFT_S_FIELD_NUMBER: _ClassVar[int]
     VERIFY_S_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_HITS_FIELD_NUMBER: _ClassVar[int]
     draft_method: str
     rounds: int
     draft_tokens: int
@@ -85,7 +98,9 @@ class GenerationStats(_message.Message):
     total_s: float
     draft_s: float
     verify_s: float
-    def __init__(self, draft_method: _Optional[str] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., per_position_acceptance: _Optional[_Iterable[float]] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., k_history: _Optional[_Iterable[int]] = ..., total_s: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ...) -> None: ...
+    ahead_blocks: int
+    ahead_hits: int
+    def __init__(self, draft_method: _Optional[str] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., per_position_acceptance: _Optional[_Iterable[float]] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., k_history: _Optional[_Iterable[int]] = ..., total_s: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., ahead_blocks: _Optional[int] = ..., ahead_hits: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "usage", "stats", "request_id", "prompt_token_ids")

@@ -1,0 +1,136 @@
+"""The target's own answers to the training prompts, with its top-K log-probabilities per position.
+
+On-policy data is what makes a distilled draft agree with its target (DistillSpec; REFERENCES §7):
+the draft is trained on exactly the text the target writes, scored by the target's full distribution
+(kept as the top K entries, which hold nearly all of the mass). Output: shards ``shard-NNNNN.pt`` under
+``--out``; an interrupted run resumes at the first missing shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from specdec.distill.prompts import TrainingPrompt, build_prompts
+
+
+class TopKRecorder:
+    """A logits processor that keeps the target's top-K log-probabilities at every generated position.
+
+    It runs before any temperature warper (transformers appends those after custom processors), so it
+    records the target's untempered distribution.
+    """
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.ids: list[torch.Tensor] = []
+        self.logprobs: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        logprobs = torch.log_softmax(scores.float(), dim=-1)
+        top = logprobs.topk(self.k, dim=-1)
+        self.ids.append(top.indices.to(torch.int32))
+        self.logprobs.append(top.values.to(torch.float16))
+        return scores
+
+
+def encode(tokenizer, prompt: TrainingPrompt) -> list[int]:
+    from specdec.prompts import encode_chat, encode_text
+
+    return encode_chat(tokenizer, [("user", prompt.text)]) if prompt.chat else encode_text(tokenizer, prompt.text)
+
+
+def plan_batches(prompts: list[TrainingPrompt], tokenizer, batch_size: int, max_prompt_tokens: int):
+    """Batches of similar prompt length (less padding), in the prompts' shuffled order by window."""
+    encoded = [(p, encode(tokenizer, p)) for p in prompts]
+    encoded = [(p, ids) for p, ids in encoded if len(ids) <= max_prompt_tokens]
+    window = batch_size * 8
+    batches = []
+    for start in range(0, len(encoded), window):
+        chunk = sorted(encoded[start:start + window], key=lambda item: len(item[1]))
+        batches.extend(chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size))
+    return batches
+
+
+@torch.inference_mode()
+def generate_batch(lm, batch, max_new_tokens: int, top_k: int, temperature: float, seed: int) -> list[dict]:
+    pad = lm.eos_token_ids[0]
+    width = max(len(ids) for _, ids in batch)
+    input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, (_, ids) in enumerate(batch):  # left padding: every row's next token sits in the last column
+        input_ids[row, width - len(ids):] = torch.tensor(ids)
+        mask[row, width - len(ids):] = 1
+    recorder = TopKRecorder(top_k)
+    torch.manual_seed(seed)
+    sampled = temperature > 0
+    out = lm.model.generate(
+        input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=sampled,
+        temperature=temperature if sampled else None, top_p=None, top_k=None, logits_processor=[recorder],
+        pad_token_id=pad, eos_token_id=list(lm.eos_token_ids),
+    )
+    generated = out[:, width:]
+    ids = torch.stack(recorder.ids, dim=1)  # [B, T, K]
+    logprobs = torch.stack(recorder.logprobs, dim=1)
+    records = []
+    eos = set(lm.eos_token_ids)
+    for row, (prompt, prompt_ids) in enumerate(batch):
+        tokens = generated[row].tolist()
+        length = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+        records.append({
+            "source": prompt.source, "chat": prompt.chat, "temperature": temperature,
+            "prompt_ids": prompt_ids, "output_ids": tokens[:length],
+            "topk_ids": ids[row, :length].clone(), "topk_logprobs": logprobs[row, :length].clone(),
+        })
+    return records
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--target", default="embedded")
+    p.add_argument("--prompts", type=int, default=4000, help="prompts to plan (generation can stop earlier)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-prompt-tokens", type=int, default=384)
+    p.add_argument("--top-k", type=int, default=32)
+    p.add_argument("--sampled-every", type=int, default=5, help="every N-th batch samples at --temperature (else greedy)")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--max-batches", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    from tqdm import tqdm
+
+    from specdec.models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = load_model(args.target, device="cpu")
+    prompts = build_prompts(args.prompts, seed=args.seed)
+    batches = plan_batches(prompts, lm.tokenizer, args.batch_size, args.max_prompt_tokens)
+    if args.max_batches is not None:
+        batches = batches[: args.max_batches]
+    args.out.mkdir(parents=True, exist_ok=True)
+    tokens = 0
+    start = time.monotonic()
+    bar = tqdm(batches, desc="target answers", unit="batch")
+    for index, batch in enumerate(bar):
+        shard = args.out / f"shard-{index:05d}.pt"
+        if shard.exists():
+            continue
+        temperature = args.temperature if (index % args.sampled_every == args.sampled_every - 1) else 0.0
+        records = generate_batch(lm, batch, args.max_new_tokens, args.top_k, temperature, args.seed * 100003 + index)
+        tmp = shard.with_suffix(".tmp")
+        torch.save(records, tmp)
+        tmp.rename(shard)  # a shard is either complete or absent
+        tokens += sum(len(r["output_ids"]) for r in records)
+        bar.set_postfix(tokens=tokens, tok_s=f"{tokens / (time.monotonic() - start):.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
