@@ -776,8 +776,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_GATEWAY_SYSTEMS}; --local: {DEFAULT_LOCAL_SYSTEMS})")
     p.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
     p.add_argument("--timeout", type=float, default=None, help="per-request deadline in seconds (gateway)")
+    p.add_argument("--up", action="store_true",
+                   help="start a local stack (`specdec up` with --target/--draft-model/--net-delay/--draft-ahead) "
+                        "for the gateway systems, and stop it afterwards")
     p.add_argument("--net-delay", type=float, default=0.0, metavar="MS",
-                   help="injected network delay, recorded in the summary (injection not implemented yet)")
+                   help="with --up: one-way delay the gateway injects on every message to drafter and verifier "
+                        "(cross-machine round trips); without --up, only recorded (start the gateway with "
+                        "--net-delay-ms yourself)")
+    p.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=False,
+                   help="with --up: the gateway's default for draft-ahead (systems spec-ahead/spec-noahead force it)")
     p.add_argument("--no-warmup", action="store_true", help="skip the one short warm-up request per system")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -799,6 +806,8 @@ def validate_args(args) -> None:
         raise ValueError("--threads must be >= 1")
     if args.net_delay < 0:
         raise ValueError("--net-delay must be >= 0")
+    if args.up and (args.local or args.gateway):
+        raise ValueError("--up starts its own gateway: not with --local or --gateway")
 
 
 class ModelCache:
@@ -849,6 +858,17 @@ def run_bench(args) -> dict:
     gateway_address = None if args.local else (args.gateway or "localhost:50051")
     models = ModelCache(args)
     client = None
+    stack = None
+    if args.up and any(spec.kind == "gateway" for spec in systems):
+        from specdec.stack import LocalStack
+
+        up_args = ["--target", args.target, "--net-delay-ms", str(args.net_delay),
+                   "--draft-ahead" if args.draft_ahead else "--no-draft-ahead"]
+        if args.draft_model:
+            up_args += ["--draft-model", args.draft_model]
+        stack = LocalStack(up_args, quiet=True)
+        log.info("starting a local stack: specdec up %s", " ".join(up_args))
+        gateway_address = stack.__enter__()
     skipped: dict[str, str] = {}
     all_records: dict[str, list[RequestRecord]] = {}
     summaries: dict[str, dict] = {}
@@ -894,6 +914,8 @@ def run_bench(args) -> dict:
     finally:
         if client is not None:
             client.close()
+        if stack is not None:
+            stack.__exit__()
 
     speedup = compute_speedups(summaries)
     bound = compute_bound(args, summaries, all_records, models)
@@ -915,7 +937,8 @@ def run_bench(args) -> dict:
             "request_rate": args.request_rate,
             "systems": [s.name for s in systems],
             "net_delay_ms": args.net_delay,
-            "net_delay_injected": False,
+            "net_delay_injected": stack is not None and args.net_delay > 0,
+            "draft_ahead_default": args.draft_ahead if stack is not None else None,
         },
         "machine": machine_info(args.device),
         "systems": summaries,
@@ -1064,9 +1087,12 @@ def render_report(summary: dict) -> str:
     lines.append(f"- max_new_tokens {cfg['max_new_tokens']}, temperature {cfg['temperature']}, seed {cfg['seed']}, "
                  f"concurrency {cfg['concurrency'] or ('unbounded' if cfg['request_rate'] else 1)}, "
                  f"request rate {cfg['request_rate'] or 'back to back'}")
-    if cfg["net_delay_ms"]:
-        lines.append(f"- net delay: {cfg['net_delay_ms']} ms requested — **not implemented yet** "
-                     "(recorded only; no delay was injected)")
+    if cfg["net_delay_ms"] and cfg.get("net_delay_injected"):
+        lines.append(f"- net delay: {cfg['net_delay_ms']} ms one way on every gateway↔drafter/verifier message "
+                     "(injected by the gateway this bench started)")
+    elif cfg["net_delay_ms"]:
+        lines.append(f"- net delay: {cfg['net_delay_ms']} ms (recorded; injected only if the gateway was started "
+                     "with --net-delay-ms)")
     else:
         lines.append("- net delay: 0 ms")
     lines.append(f"- machine: {machine.get('cpu_model', machine.get('processor'))}, {machine.get('cpu_count')} CPUs, "

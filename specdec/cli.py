@@ -116,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_bench_arguments(bench)
 
+    train = sub.add_parser("train-draft", help="distil a draft model from a target (data, then training)",
+                           description="Steps of the recipe behind the shipped draft (see its model card): "
+                                       "'data' has the target answer offline prompts, 'train' distils the draft, "
+                                       "'eval' measures greedy acceptance. Each step's --help lists its options.")
+    train.add_argument("step", choices=["data", "train", "eval"])
+    train.add_argument("step_args", nargs=argparse.REMAINDER)
+
     sim = sub.add_parser("sim", help="simulate draft-length policies (no models)")
     from specdec import sim as sim_module
 
@@ -342,6 +349,12 @@ def _up(args) -> int:
     return 1 if failed else 0
 
 
+def _train_draft(args) -> int:
+    from specdec.distill import evaluate, generate, train
+
+    return {"data": generate.main, "train": train.main, "eval": evaluate.main}[args.step](args.step_args)
+
+
 def _sim(args) -> int:
     from specdec import sim
 
@@ -363,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.command == "up":
         return _up(args)
+    if args.command == "train-draft":
+        return _train_draft(args)
     if args.command == "sim":
         return _sim(args)
     if args.command == "bench":

@@ -233,23 +233,25 @@ def test_bench_local_skips_assisted_without_draft(tiny_pair, prompt_file, tmp_pa
     assert summary["speedup"]["spec_vs_hf_assisted"] is None
     assert summary["config"]["net_delay_ms"] == 20
     report = (out / "report.md").read_text()
-    assert "needs --draft-model" in report and "not implemented yet" in report
+    assert "needs --draft-model" in report and "injected only if" in report
+    assert summary["config"]["net_delay_injected"] is False
 
 
-def test_bench_gateway_tiny(tiny_pair, prompt_file, tmp_path):
-    from tests.harness import start_stack
-
+def test_bench_up_tiny(tiny_pair, prompt_file, tmp_path):
+    """--up starts `specdec up` (real subprocesses) with an injected network delay, runs, stops it."""
     _, target, draft = tiny_pair
-    stack = start_stack(target, draft, tmp_path)
-    try:
-        out = tmp_path / "out"
-        rc = cli_main(["--log-level", "WARNING", "bench", "--gateway", stack.gateway.address, "--target", str(target),
-                       "--prompts", str(prompt_file), "--limit", "3", "--max-new-tokens", "16",
-                       "--systems", "spec,spec-k=2,baseline", "--concurrency", "2", "--out", str(out), "--no-progress"])
-    finally:
-        stack.stop()
+    out = tmp_path / "out"
+    rc = cli_main(["--log-level", "WARNING", "bench", "--up", "--target", str(target), "--draft-model", str(draft),
+                   "--net-delay", "3", "--prompts", str(prompt_file), "--limit", "3", "--max-new-tokens", "16",
+                   "--systems", "spec,spec-k=2,baseline,spec-ahead,spec-noahead", "--concurrency", "2",
+                   "--out", str(out), "--no-progress"])
     assert rc == 0
-    summary = _check_outputs(out, ["spec", "spec-k=2", "baseline"])
+    summary = _check_outputs(out, ["spec", "spec-k=2", "baseline", "spec-ahead", "spec-noahead"])
+    assert summary["config"]["net_delay_injected"] is True and summary["config"]["net_delay_ms"] == 3
+    assert summary["systems"]["spec-ahead"]["ahead_blocks"] > 0
+    assert summary["systems"]["spec-noahead"]["ahead_blocks"] == 0
+    assert summary["speedup"]["ahead_vs_noahead"] > 0
+    assert "injected by the gateway this bench started" in (out / "report.md").read_text()
     assert summary["systems"]["spec"]["draft_method"] == "model"
     assert summary["systems"]["baseline"]["acceptance_rate"] is None
     assert set(summary["systems"]["spec-k=2"]["k_counts"]) <= {"0", "1", "2"}

@@ -1,0 +1,83 @@
+"""A local drafter + verifier + gateway stack as one child process (``specdec up``), for the demo and
+``specdec bench --up``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+
+def free_port_block(size: int = 3) -> int:
+    """A port p with p .. p+size-1 all free on loopback (``specdec up`` uses gateway, +1, +2)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + size - 1 < 65535:
+            try:
+                for p in range(port + 1, port + size):
+                    with socket.socket() as t:
+                        t.bind(("127.0.0.1", p))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free ports")
+
+
+def wait_serving(address: str, proc: subprocess.Popen | None = None, timeout: float = 600) -> None:
+    """Poll grpc.health.v1 on ``address`` until SERVING (or ``proc`` exits, or ``timeout``)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the stack exited early (code {proc.returncode})")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    raise RuntimeError(f"{address} did not become ready within {timeout:.0f} s")
+
+
+class LocalStack:
+    """``with LocalStack(["--net-delay-ms", "5"]) as address: ...``: ``specdec up`` on free ports."""
+
+    def __init__(self, up_args: list[str] = (), quiet: bool = False) -> None:
+        self.up_args = list(up_args)
+        self.quiet = quiet
+        self.proc: subprocess.Popen | None = None
+        self.address = ""
+
+    def __enter__(self) -> str:
+        port = free_port_block()
+        self.address = f"127.0.0.1:{port}"
+        output = subprocess.DEVNULL if self.quiet else None
+        self.proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "up", "--port", str(port), *self.up_args],
+                                     start_new_session=True, stdout=output, stderr=output)
+        try:
+            wait_serving(self.address, self.proc)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self.address
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            self.proc.wait(60)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc = None
