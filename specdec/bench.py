@@ -776,6 +776,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_GATEWAY_SYSTEMS}; --local: {DEFAULT_LOCAL_SYSTEMS})")
     p.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
     p.add_argument("--timeout", type=float, default=None, help="per-request deadline in seconds (gateway)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
+                   help="weights' dtype for local models and the --up stack (default $SPECDEC_DTYPE, else auto)")
     p.add_argument("--up", action="store_true",
                    help="start a local stack (`specdec up` with --target/--draft-model/--net-delay/--draft-ahead) "
                         "for the gateway systems, and stop it afterwards")
@@ -926,6 +928,7 @@ def run_bench(args) -> dict:
             "gateway": gateway_address,
             "target": args.target,
             "draft_model": args.draft_model,
+            "dtype": os.environ.get("SPECDEC_DTYPE", "auto"),
             "prompts": args.prompts,
             "limit": args.limit,
             "conversations": len(conversations),

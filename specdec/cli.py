@@ -30,6 +30,17 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
 
+def _add_dtype_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
+                   help="model weights' dtype (default $SPECDEC_DTYPE, else auto: fp32 on CPU, bf16 on GPU)")
+
+
+def _apply_dtype(args) -> None:
+    """--dtype becomes $SPECDEC_DTYPE, so services that `specdec up` starts inherit it."""
+    if getattr(args, "dtype", None):
+        os.environ["SPECDEC_DTYPE"] = args.dtype
+
+
 def _add_serve_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--host", default=os.environ.get("SPECDEC_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=default_port)
@@ -38,6 +49,7 @@ def _add_serve_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight streams get on SIGTERM")
     p.add_argument("--max-sessions", type=int, default=64)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
+    _add_dtype_flag(p)
     p.add_argument("--idle-timeout", type=float, default=300.0,
                    help="drafter/verifier: free a session whose stream is silent this long (seconds)")
     p.add_argument("--tls-cert", default=None, help="PEM certificate (env SPECDEC_TLS_CERT); serves TLS")
@@ -64,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft-model", default=None, help="draft model: hub id or local dir")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds (gateway mode)")
     gen.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"), help="gateway API key")
+    _add_dtype_flag(gen)
     gen.add_argument("--tls-ca", default=None, help="CA to verify the gateway (enables TLS)")
     gen.add_argument("--tls-cert", default=None, help="client certificate (mTLS)")
     gen.add_argument("--tls-key", default=None, help="client key (mTLS)")
@@ -109,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=False)
     up.add_argument("--net-delay-ms", type=float, default=0.0, help="gateway: injected one-way delay per message")
     up.add_argument("--host", default="127.0.0.1")
+    _add_dtype_flag(up)
     up.add_argument("--port", type=int, default=50051, help="gateway port; drafter +1, verifier +2")
 
     bench = sub.add_parser("bench", help="benchmark spec decoding vs baselines (gateway or --local)")
@@ -370,6 +384,7 @@ def _bench(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _apply_dtype(args)
     if args.command == "generate":
         return _generate_local(args) if args.local else _generate_remote(args)
     if args.command == "serve":

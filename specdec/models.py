@@ -49,7 +49,22 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+DTYPE_ENV = "SPECDEC_DTYPE"  # float32 | bfloat16 | float16 | auto (set by --dtype; child processes inherit it)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
+    """``$SPECDEC_DTYPE`` if set, else bf16/fp16 on GPUs and fp32 on CPUs.
+
+    On CPUs fp32 is the fastest single-token path; bf16 (on CPUs with AMX) has a much flatter cost
+    over 1..16 tokens, which favours verification (docs/benchmarks.md). Both sides of a comparison must
+    use the same dtype: the target's tokens depend on it.
+    """
+    name = os.environ.get(DTYPE_ENV, "auto")
+    if name != "auto":
+        if name not in DTYPES:
+            raise ModelLoadError(f"{DTYPE_ENV}={name!r}: choose from auto, {', '.join(DTYPES)}")
+        return DTYPES[name]
     # bf16 halves memory traffic on GPUs; CPUs run fp32 (bf16 matmuls are slow or inexact there).
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16

@@ -248,3 +248,31 @@ def test_embedded_target_greedy_equals_generate(embedded_target):
         assert result.stats.rounds > 0
         if isinstance(drafter, ModelDrafter):  # the target as its own draft
             assert result.stats.acceptance_rate == 1.0
+
+
+@pytest.mark.embedded
+def test_shipped_draft_with_embedded_target_greedy_equals_generate(embedded_target):
+    """The distilled draft shipped in the package: loads by name, pairs with the embedded target,
+    keeps greedy output identical, and is a real draft (accepts a good share on chat and code)."""
+    from specdec.models import EMBEDDED_DRAFT, EMBEDDED_DRAFT_DIR, check_compatible, default_draft_model, load_model
+
+    assert default_draft_model("embedded") == EMBEDDED_DRAFT
+    assert (EMBEDDED_DRAFT_DIR / "model.safetensors").stat().st_size <= 30 * 1000 * 1000
+    draft = load_model(EMBEDDED_DRAFT, device="cpu")
+    check_compatible(embedded_target, draft)
+    assert draft.head_token_ids is not None and len(draft.head_token_ids) < draft.logits_width  # FR-Spec head
+    lm = embedded_target
+    prompts = [
+        encode_chat(lm.tokenizer, [("user", "Give me three tips for staying focused while studying.")]),
+        lm.tokenizer("def is_palindrome(text: str) -> bool:\n    \"\"\"Return True if text reads the same "
+                     "backwards.\"\"\"\n")["input_ids"],
+    ]
+    drafted = accepted = 0
+    for prompt in prompts:
+        reference = hf_greedy(lm, prompt, NEW_TOKENS)
+        params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        result = run_sync(collect(LocalEngine(lm, ModelDrafter(draft)).stream(prompt, params, num_draft_tokens=5)))
+        assert result.token_ids == reference
+        drafted += result.stats.draft_tokens
+        accepted += result.stats.accepted_tokens
+    assert drafted > 0 and accepted / drafted > 0.3, (accepted, drafted)

@@ -9,6 +9,7 @@ the draft is trained on exactly the text the target writes, scored by the target
 from __future__ import annotations
 
 import argparse
+import random
 import time
 from pathlib import Path
 
@@ -43,9 +44,38 @@ def encode(tokenizer, prompt: TrainingPrompt) -> list[int]:
     return encode_chat(tokenizer, [("user", prompt.text)]) if prompt.chat else encode_text(tokenizer, prompt.text)
 
 
-def plan_batches(prompts: list[TrainingPrompt], tokenizer, batch_size: int, max_prompt_tokens: int):
+def follow_up_prompts(first_turns: Path, tokenizer, limit: int, seed: int) -> list[tuple[TrainingPrompt, list[int]]]:
+    """Second turns (as in multi-turn chat): a first prompt, the target's own answer, a follow-up request."""
+    from specdec.distill.prompts import follow_up
+    from specdec.prompts import encode_chat
+
+    rng = random.Random(seed)
+    records = [r for shard in sorted(first_turns.glob("shard-*.pt")) for r in torch.load(shard, weights_only=False)
+               if r["chat"] and r["temperature"] == 0.0 and r["output_ids"]]
+    rng.shuffle(records)
+    out = []
+    for record in records[:limit]:
+        first = tokenizer.decode(record["prompt_ids"], skip_special_tokens=False)
+        answer = tokenizer.decode(record["output_ids"], skip_special_tokens=True)
+        question = follow_up(rng)
+        # The first turn's rendered text already ends with the assistant header: append the answer and
+        # the next user turn through the template by re-rendering the whole conversation.
+        user = _first_user_message(first)
+        ids = encode_chat(tokenizer, [("user", user), ("assistant", answer), ("user", question)])
+        out.append((TrainingPrompt(f"follow-up/{record['source']}", question, True), ids))
+    return out
+
+
+def _first_user_message(rendered: str) -> str:
+    start = rendered.rfind("<|im_start|>user\n")
+    end = rendered.find("<|im_end|>", start)
+    return rendered[start + len("<|im_start|>user\n"):end] if start >= 0 and end > start else rendered
+
+
+def plan_batches(prompts: list[TrainingPrompt], tokenizer, batch_size: int, max_prompt_tokens: int,
+                 encoded: list | None = None):
     """Batches of similar prompt length (less padding), in the prompts' shuffled order by window."""
-    encoded = [(p, encode(tokenizer, p)) for p in prompts]
+    encoded = encoded if encoded is not None else [(p, encode(tokenizer, p)) for p in prompts]
     encoded = [(p, ids) for p, ids in encoded if len(ids) <= max_prompt_tokens]
     window = batch_size * 8
     batches = []
@@ -102,6 +132,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-batches", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--follow-ups-from", type=Path, default=None,
+                   help="second turns: follow-up requests after the target's own answers in these shards")
     args = p.parse_args(argv)
     from tqdm import tqdm
 
@@ -110,8 +142,12 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_model(args.target, device="cpu")
-    prompts = build_prompts(args.prompts, seed=args.seed)
-    batches = plan_batches(prompts, lm.tokenizer, args.batch_size, args.max_prompt_tokens)
+    if args.follow_ups_from:
+        encoded = follow_up_prompts(args.follow_ups_from, lm.tokenizer, args.prompts, args.seed)
+        batches = plan_batches([], lm.tokenizer, args.batch_size, args.max_prompt_tokens + 256, encoded)
+    else:
+        prompts = build_prompts(args.prompts, seed=args.seed)
+        batches = plan_batches(prompts, lm.tokenizer, args.batch_size, args.max_prompt_tokens)
     if args.max_batches is not None:
         batches = batches[: args.max_batches]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -229,6 +229,8 @@ def main(argv=None) -> int:
     epoch_rng = random.Random(args.seed + step)
     batches: list[list[dict]] = []
     log = open(args.out / "train_log.jsonl", "a")
+    best_file = args.out / "best" / "eval.json"
+    best_score = json.loads(best_file.read_text())["top1_agree"] if best_file.exists() else -1.0
     start = time.monotonic()
     model.train()
     bar = tqdm(total=args.steps, initial=step, desc="distilling draft", unit="step")
@@ -250,6 +252,11 @@ def main(argv=None) -> int:
         if step % args.eval_every == 0 or step == args.steps:
             entry["eval"] = evaluate(model, holdout, head_ids)
             bar.write(f"step {step}: {entry['eval']}")
+            score = entry["eval"]["top1_agree"]
+            if score > best_score:  # keep the best held-out checkpoint (small data overfits late)
+                best_score = score
+                model.save_pretrained(args.out / "best", safe_serialization=True)
+                (args.out / "best" / "eval.json").write_text(json.dumps({"step": step, **entry["eval"]}))
         log.write(json.dumps(entry) + "\n")
         log.flush()
         out_of_time = time.monotonic() - start > args.max_minutes * 60
@@ -263,12 +270,10 @@ def main(argv=None) -> int:
     bar.close()
     model.save_pretrained(args.out / "final", safe_serialization=True)
     if args.export:
-        print(f"exported to {export_draft(args.out / 'final', args.out / 'head_token_ids.json', args.target, args.export)}")
+        chosen = args.out / "best" if (args.out / "best").exists() else args.out / "final"
+        print(f"exported {chosen.name} to {export_draft(chosen, args.out / 'head_token_ids.json', args.target, args.export)}")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())
 
 
 def export_draft(trained_dir: Path, head_ids_file: Path, target: str, dest: Path) -> Path:
@@ -286,3 +291,7 @@ def export_draft(trained_dir: Path, head_ids_file: Path, target: str, dest: Path
     shutil.copyfile(head_ids_file, dest / HEAD_TOKEN_IDS_FILE)
     AutoTokenizer.from_pretrained(resolve_model_path(target)).save_pretrained(dest)
     return dest
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
