@@ -713,6 +713,25 @@ def measure_verify_curve(target, max_tokens: int = VERIFY_CURVE_TOKENS, prefix: 
     return monotone_non_decreasing(best)
 
 
+def memory_roofline(target, t_step: float | None) -> dict:
+    """The target's single-token step against the memory-bandwidth bound: every weight is read once
+    per forward, so the step cannot beat weight bytes / bandwidth (measured here by streaming a
+    buffer larger than the caches through a reduction, the same access pattern)."""
+    import torch
+
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
+    buffer = torch.ones(max(weight_bytes, 256 << 20) // 4, dtype=torch.float32, device=target.device)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        float(buffer.sum())
+        best = min(best, time.perf_counter() - start)
+    bandwidth = buffer.numel() * 4 / best
+    bound = weight_bytes / bandwidth
+    return {"weight_bytes": weight_bytes, "bandwidth_gb_s": bandwidth / 1e9, "memory_bound_step_s": bound,
+            "measured_step_s": t_step, "step_over_memory_bound": ratio(t_step, bound)}
+
+
 def measure_draft_cost(draft, reps: int = 7) -> float:
     """Seconds of the draft model's one-token forward after a KV prefix (minimum over reps)."""
     return measure_verify_curve(draft, max_tokens=1, reps=reps)[0]
@@ -1044,6 +1063,10 @@ def compute_bound(args, summaries: dict, all_records: dict, models: ModelCache) 
             log.warning("draft cost measurement failed: %s", exc)
     result = speedup_bound(t_verify, t_draft, alpha=alpha_pooled, alphas=alphas or None)
     geometric = speedup_bound(t_verify, t_draft, alpha=alpha)
+    try:
+        out["roofline"] = memory_roofline(models.target(), t_verify[0])
+    except Exception as exc:  # noqa: BLE001 - no local target: no roofline
+        out["roofline"] = {"note": describe_error(exc)}
     out.update({
         "t_verify_s": t_verify,
         "t_verify_source": source,
@@ -1148,6 +1171,12 @@ def render_report(summary: dict) -> str:
             f"at k = {bound['best_k']} (geometric in the acceptance rate: {_fmt(bound['bound_geometric_acceptance_rate'], digits=3)}× "
             f"at k = {bound['best_k_geometric_acceptance_rate']})",
         ]
+        roof = bound.get("roofline") or {}
+        if roof.get("memory_bound_step_s"):
+            lines.append(f"- target step vs memory bandwidth: {roof['weight_bytes'] / 1e6:.0f} MB of weights ÷ "
+                         f"{roof['bandwidth_gb_s']:.1f} GB/s measured = {_fmt(roof['memory_bound_step_s'], 1e3, 1)} ms; "
+                         f"t_verify(0) = {_fmt(roof['measured_step_s'], 1e3, 1)} ms "
+                         f"(**{_fmt(roof['step_over_memory_bound'], digits=2)}×** the bound)")
         if bound.get("measured") is not None:
             pair = bound["measured_pair"]
             lines.append(f"- measured = {pair[0]} tok/s ÷ {pair[1]} tok/s = {_fmt(bound['measured'], digits=3)}×; "

@@ -216,6 +216,8 @@ def test_bench_local_tiny(tiny_pair, prompt_file, tmp_path):
     bound = summary["bound"]
     assert bound["bound"] >= 1.0 and len(bound["t_verify_s"]) == bench.VERIFY_CURVE_TOKENS
     assert bound["measured_pair"] == ["inprocess", "hf"] and summary["speedup"]["measured_over_bound"] > 0
+    roof = bound["roofline"]
+    assert roof["bandwidth_gb_s"] > 0 and roof["weight_bytes"] > 0 and roof["step_over_memory_bound"] > 0
     requests = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
     assert {(r["system"], r["turn"]) for r in requests if r["conversation_id"] == "1"} == {
         (s, t) for s in ("inprocess", "hf", "hf-assisted") for t in (1, 2)}
