@@ -6,7 +6,7 @@ STAMP := $(VENV)/.specdec-installed
 # The CPU build of torch lies on disk on these machines; an unpinned torch would pull a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup test demo up protos sim clean
+.PHONY: setup test demo up protos sim train-draft clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,20 @@ up: setup
 
 sim: setup
 	$(VENV)/bin/specdec sim
+
+# The recipe of the shipped draft (specdec/drafts/smollm2-135m-draft/README.md): the target answers
+# offline prompts, then follow-up turns, then the draft is distilled and exported. Resumable: rerun
+# to continue. TRAIN_DIR holds the data and checkpoints; GEN_BATCHES caps the first-turn data.
+TRAIN_DIR ?= distill-work
+GEN_BATCHES ?= 20
+FOLLOW_UP_BATCHES ?= 4
+TRAIN_MINUTES ?= 55
+train-draft: setup
+	$(VENV)/bin/specdec train-draft data --out $(TRAIN_DIR)/data --prompts 6000 --batch-size 64 --max-batches $(GEN_BATCHES)
+	$(VENV)/bin/specdec train-draft data --out $(TRAIN_DIR)/follow-ups --follow-ups-from $(TRAIN_DIR)/data \
+		--prompts 2000 --batch-size 64 --max-batches $(FOLLOW_UP_BATCHES) --seed 1
+	$(VENV)/bin/specdec train-draft train --data $(TRAIN_DIR)/data --data $(TRAIN_DIR)/follow-ups \
+		--out $(TRAIN_DIR)/train --max-minutes $(TRAIN_MINUTES) --export $(TRAIN_DIR)/draft
 
 protos: setup
 	$(PY) -m specdec.protogen

@@ -153,7 +153,8 @@ def evaluate(model, records: list[dict], head_ids: torch.Tensor, k: int = 5) -> 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--data", required=True, type=Path, help="shards from specdec.distill.generate")
+    p.add_argument("--data", required=True, type=Path, action="append",
+                   help="a directory of shards from `specdec train-draft data` (repeatable)")
     p.add_argument("--out", required=True, type=Path, help="working directory (checkpoint, log, final model)")
     p.add_argument("--target", default="embedded")
     p.add_argument("--hidden", type=int, default=256)
@@ -185,7 +186,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
-    records = load_records(args.data)
+    records = [r for directory in args.data for r in load_records(directory)]
     rng = random.Random(args.seed)
     rng.shuffle(records)
     holdout, train = records[: args.holdout], records[args.holdout :]
@@ -219,27 +220,35 @@ def main(argv=None) -> int:
     del target
     print(f"draft: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters")
 
-    def lr_at(s: int) -> float:
+    budget_s = args.max_minutes * 60
+
+    def lr_at(s: int, elapsed_s: float) -> float:
+        """Warm-up, then cosine to 10% over whichever runs out first: the steps or the time budget."""
         if s < args.warmup:
             return args.lr * (s + 1) / args.warmup
-        progress = (s - args.warmup) / max(1, args.steps - args.warmup)
+        progress = max((s - args.warmup) / max(1, args.steps - args.warmup), elapsed_s / budget_s)
         return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
     generator = torch.Generator().manual_seed(args.seed)
     epoch_rng = random.Random(args.seed + step)
     batches: list[list[dict]] = []
     log = open(args.out / "train_log.jsonl", "a")
+    elapsed_before = 0.0  # time spent in earlier (interrupted) runs counts against the budget
+    if (args.out / "train_log.jsonl").stat().st_size:
+        *_, last = (args.out / "train_log.jsonl").read_text().splitlines()
+        elapsed_before = json.loads(last).get("elapsed_s", 0.0)
     best_file = args.out / "best" / "eval.json"
     best_score = json.loads(best_file.read_text())["top1_agree"] if best_file.exists() else -1.0
-    start = time.monotonic()
+    start = time.monotonic() - elapsed_before
     model.train()
     bar = tqdm(total=args.steps, initial=step, desc="distilling draft", unit="step")
     while step < args.steps:
         if not batches:
             batches = make_batches(train, args.token_budget, epoch_rng)
         batch = batches.pop()
+        lr = lr_at(step, time.monotonic() - start)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step)
+            group["lr"] = lr
         loss, info = batch_loss(model, batch, head_ids, position_of, args.prompt_weight, args.prompt_fraction, generator)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -248,7 +257,7 @@ def main(argv=None) -> int:
         step += 1
         bar.update(1)
         bar.set_postfix(kd=f"{info['kd']:.3f}", agree=f"{info['top1_agree']:.3f}")
-        entry = {"step": step, "lr": lr_at(step - 1), "elapsed_s": round(time.monotonic() - start, 1), **info}
+        entry = {"step": step, "lr": lr, "elapsed_s": round(time.monotonic() - start, 1), **info}
         if step % args.eval_every == 0 or step == args.steps:
             entry["eval"] = evaluate(model, holdout, head_ids)
             bar.write(f"step {step}: {entry['eval']}")
@@ -259,7 +268,7 @@ def main(argv=None) -> int:
                 (args.out / "best" / "eval.json").write_text(json.dumps({"step": step, **entry["eval"]}))
         log.write(json.dumps(entry) + "\n")
         log.flush()
-        out_of_time = time.monotonic() - start > args.max_minutes * 60
+        out_of_time = time.monotonic() - start > budget_s
         if step % args.checkpoint_every == 0 or step == args.steps or out_of_time:
             tmp = checkpoint.with_suffix(".tmp")
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp)
