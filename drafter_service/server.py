@@ -96,13 +96,14 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
                         raise ValueError(
                             f"ahead_tokens: {ahead_n} exceeds this drafter's limit ({self.max_draft_tokens})"
                         )
-                    if used and k:
-                        raise ValueError("ahead_used: only with num_draft_tokens = 0 (the block was drafted ahead)")
+                    if used and (k or not ahead_n):
+                        raise ValueError("ahead_used: only with num_draft_tokens = 0 and ahead_tokens > 0")
                     if used > len(ahead_block):
                         raise ValueError(f"ahead_used: {used} exceeds the last ahead block ({len(ahead_block)} tokens)")
                     committed = [int(t) for t in propose.committed_token_ids]
                     if committed:
                         self._validate_ids(committed, "committed_token_ids")
+                    previous_block = ahead_block
                     proposal = await self._run(self._propose, session, committed, k)
                     self.metrics.tokens.inc(len(proposal))
                     if trace is not None:
@@ -112,11 +113,17 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
                         round=propose.round, service_time_us=int((time.perf_counter() - received) * 1e6),
                         **convert.proposal_fields(proposal),
                     ))
+                    ahead_block = []  # a block is only ever continued from the message right after it
                     if ahead_n:
-                        # Draft the next block while the gateway has this one verified.
+                        # Draft the next block while the gateway has this one verified; always answer
+                        # (possibly empty): the gateway waits for exactly one DraftAhead.
                         started = time.perf_counter()
-                        in_flight = proposal.draft_tokens if k else ahead_block[:used]
-                        block = await self._run(session.propose_ahead, in_flight, ahead_n) if in_flight else None
+                        in_flight = proposal.draft_tokens if k else previous_block[:used]
+                        if self.lm is not None:  # the block must fit the draft model's context
+                            ahead_n = min(ahead_n, self.lm.max_positions - len(session.tokens) - len(in_flight) - 1)
+                        block = None
+                        if in_flight and ahead_n > 0:
+                            block = await self._run(session.propose_ahead, in_flight, ahead_n)
                         assumed, ahead = block if block is not None else ([], DraftProposal())
                         ahead_block = list(ahead.draft_tokens)
                         self.metrics.tokens.inc(len(ahead))
@@ -174,6 +181,7 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
             method=drafter.name,
             model=self._model_info(),
             load=types_pb2.LoadReport(active_sessions=len(self.sessions), max_sessions=self.sessions.max_sessions),
+            supports_draft_ahead=True,
         )
 
 

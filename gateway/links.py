@@ -89,17 +89,20 @@ class RemoteVerifier:
 
 
 class RemoteDrafter:
-    """``DrafterLink`` over one ``Drafter.Draft`` stream.
+    """``DrafterLink`` (and ``AheadDrafterLink``) over one ``Drafter.Draft`` stream.
 
     A drafter failure never fails the request: the link reports itself broken and proposes
     nothing from then on, so the loop continues as plain decoding (k = 0) and stays exact.
+
+    One reader task takes every message off the stream as it arrives and releases it after the
+    injected one-way delay, so messages sent back to back (a proposal, then its DraftAhead block)
+    are delayed side by side, as on a real link.
     """
 
     def __init__(self, stub, session_id: str, prompt_ids: list[int], params: SamplingParams,
                  timeout: float | None, metadata=None, draft_top_k: int = 0, net_delay_s: float = 0.0) -> None:
         self.call = stub.Draft(timeout=timeout, metadata=metadata)
         self.net_delay_s = net_delay_s
-        self._ahead_task: asyncio.Task | None = None  # reads the drafter's DraftAhead message
         self.session_id = session_id
         self.prompt_ids = prompt_ids
         self.params = params
@@ -108,11 +111,38 @@ class RemoteDrafter:
         self.service_s = 0.0  # time inside the drafter, from its service_time_us (tracing)
         self.broken: BaseException | None = None
         self._start_task: asyncio.Task | None = None
+        self._reader: asyncio.Task | None = None
+        self._inbox: asyncio.Queue = asyncio.Queue()  # (release time, message or exception)
+        self._ahead_owed = False  # a DraftAhead message is on its way
+        self._continue_write: asyncio.Task | None = None
 
     def begin(self) -> None:
         """Open the session now so the drafter's prefill overlaps the verifier's."""
         if self._start_task is None:
+            self._reader = asyncio.ensure_future(self._read_loop())
             self._start_task = asyncio.ensure_future(self._start())
+
+    async def _read_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                message = await self.call.read()
+                if message is grpc.aio.EOF:
+                    # The server ended the stream without a status error: treat as unavailable.
+                    self._inbox.put_nowait((0.0, ConnectionError("drafter stream ended early")))
+                    return
+                self._inbox.put_nowait((loop.time() + self.net_delay_s, message))
+        except _DRAFTER_FAILURES as exc:
+            self._inbox.put_nowait((0.0, exc))
+
+    async def _next(self):
+        release, item = await self._inbox.get()
+        if isinstance(item, BaseException):
+            raise item
+        wait = release - asyncio.get_running_loop().time()
+        if wait > 0:
+            await asyncio.sleep(wait)  # injected one-way network delay (--net-delay-ms)
+        return item
 
     async def _start(self) -> None:
         start = drafter_pb2.DraftStart(
@@ -122,7 +152,7 @@ class RemoteDrafter:
             draft_top_k=self.draft_top_k,
         )
         await _write(self.call, drafter_pb2.DraftRequest(start=start), self.net_delay_s)
-        await _read(self.call, "drafter", self.net_delay_s)
+        await self._next()
 
     def _fail(self, exc: BaseException) -> None:
         log.warning("drafter failed for session %s (%s); continuing without drafts", self.session_id, exc)
@@ -135,59 +165,82 @@ class RemoteDrafter:
         try:
             self.begin()
             await self._start_task
+            if self._ahead_owed:  # a block nobody used (rounds with k = 0): it comes first on the stream
+                await self.take_ahead()
+                if self.broken is not None:
+                    return DraftProposal()
             self.round += 1
             propose = drafter_pb2.DraftPropose(
                 round=self.round, committed_token_ids=committed, num_draft_tokens=num_draft_tokens,
                 ahead_tokens=ahead_tokens,
             )
             await _write(self.call, drafter_pb2.DraftRequest(propose=propose), self.net_delay_s)
-            response = await _read(self.call, "drafter", self.net_delay_s)
+            response = await self._next()
+            if response.WhichOneof("kind") != "proposal":
+                raise ValueError("drafter: expected a DraftProposal message")
             self.service_s += response.proposal.service_time_us * 1e-6
-            if ahead_tokens:
-                self._ahead_task = asyncio.ensure_future(self._read_ahead())
+            self._ahead_owed = ahead_tokens > 0
             return convert.proposal_from_pb(response.proposal)
         except _DRAFTER_FAILURES as exc:
             self._fail(exc)
             return DraftProposal()
 
-    async def _read_ahead(self) -> tuple[list[int], DraftProposal] | None:
-        response = await _read(self.call, "drafter", self.net_delay_s)
-        if response.WhichOneof("kind") != "ahead":
-            raise ValueError("drafter: expected a DraftAhead message")
-        assumed = [int(t) for t in response.ahead.assumed_token_ids]
-        return (assumed, convert.proposal_from_pb(response.ahead.proposal)) if assumed else None
-
     async def take_ahead(self) -> tuple[list[int], DraftProposal] | None:
         """The block drafted ahead during the last verification (waits for it if still coming)."""
-        task, self._ahead_task = self._ahead_task, None
-        if task is None or self.broken is not None:
+        if not self._ahead_owed or self.broken is not None:
             return None
+        self._ahead_owed = False
         try:
-            return await task
+            if self._continue_write is not None:
+                write, self._continue_write = self._continue_write, None
+                await write
+            while True:
+                response = await self._next()
+                kind = response.WhichOneof("kind")
+                if kind == "proposal":  # the empty answer to a continue_ahead request
+                    continue
+                if kind != "ahead":
+                    raise ValueError("drafter: expected a DraftAhead message")
+                self.service_s += response.ahead.proposal.service_time_us * 1e-6
+                assumed = [int(t) for t in response.ahead.assumed_token_ids]
+                return (assumed, convert.proposal_from_pb(response.ahead.proposal)) if assumed else None
         except _DRAFTER_FAILURES as exc:
             self._fail(exc)
             return None
 
     async def continue_ahead(self, committed: list[int], used: int, ahead_tokens: int) -> None:
-        """``used`` tokens of the last ahead block are being verified: draft the block after them."""
+        """``used`` tokens of the last ahead block are being verified: draft the block after them.
+
+        Returns at once (the write goes out in the background, after the injected delay)."""
         if self.broken is not None:
             return
         self.round += 1
         propose = drafter_pb2.DraftPropose(round=self.round, committed_token_ids=committed, num_draft_tokens=0,
                                            ahead_tokens=ahead_tokens, ahead_used=used)
-
-        async def send_and_read():
-            await _write(self.call, drafter_pb2.DraftRequest(propose=propose), self.net_delay_s)
-            await _read(self.call, "drafter", self.net_delay_s)  # the (empty) proposal
-            return await self._read_ahead()
-
-        self._ahead_task = asyncio.ensure_future(send_and_read())
+        self._continue_write = asyncio.ensure_future(
+            _write(self.call, drafter_pb2.DraftRequest(propose=propose), self.net_delay_s))
+        self._ahead_owed = True
 
     async def close(self) -> None:
-        for task in (self._start_task, self._ahead_task):
-            if task is not None and not task.done():
-                task.cancel()
-        await _close(self.call)
+        """Half-close and let the drafter finish what it owes (a block drafted ahead), so the session
+        ends normally; cancel only if it does not end promptly."""
+        if self._start_task is not None and not self._start_task.done():
+            self._start_task.cancel()
+        for task in (self._continue_write,):
+            if task is not None:
+                await asyncio.gather(task, return_exceptions=True)
+        try:
+            if not self.call.done() and self.broken is None:
+                await self.call.done_writing()
+            if self._reader is not None:
+                await asyncio.wait_for(asyncio.shield(self._reader), CLOSE_WAIT_S)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            pass
+        finally:
+            if self._reader is not None and not self._reader.done():
+                self._reader.cancel()
+            if not self.call.done():
+                self.call.cancel()
 
 
 # Failures that mean "this verifier is gone", not "this request is bad".

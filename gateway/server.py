@@ -298,7 +298,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 draft_method=method,
                 max_context=self.max_positions,
                 on_round=obs.on_round,
-                draft_ahead=remote_drafter is not None and draft_ahead,
+                draft_ahead=(remote_drafter is not None and draft_ahead
+                             and drafter_backend.info is not None and drafter_backend.info.supports_draft_ahead),
             )
             async for event in events:
                 if isinstance(event, GenerationResult):

@@ -171,6 +171,7 @@ async def generate(
     what that block assumed, the block is verified at once (no drafting round trip).
     """
     stats = GenerationStats(draft_method=draft_method if drafter is not None else "none")
+    draft_ahead = draft_ahead and drafter is not None and hasattr(drafter, "take_ahead")
     start = time.perf_counter()
     verdict = await verifier.prefill()
     stats.ttft_s = time.perf_counter() - start
@@ -187,8 +188,8 @@ async def generate(
         k = policy.choose(max(0, max_k)) if drafter is not None else 0
         proposal = DraftProposal()
         t0 = time.perf_counter()
-        if draft_ahead and drafter is not None:
-            # Always drain the block in flight: it sits on the drafter stream before any new answer.
+        if draft_ahead and k > 0:
+            # (With k = 0 the block stays on the stream; the next proposal discards it.)
             block = await drafter.take_ahead()
             if block is not None:
                 stats.ahead_blocks += 1

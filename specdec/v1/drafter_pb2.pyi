@@ -84,14 +84,16 @@ class GetDrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetDrafterInfoResponse(_message.Message):
-    __slots__ = ("method", "model", "load")
+    __slots__ = ("method", "model", "load", "supports_draft_ahead")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
     method: str
     model: _types_pb2.ModelInfo
     load: _types_pb2.LoadReport
-    def __init__(self, method: _Optional[str] = ..., model: _Optional[_Union[_types_pb2.ModelInfo, _Mapping]] = ..., load: _Optional[_Union[_types_pb2.LoadReport, _Mapping]] = ...) -> None: ...
+    supports_draft_ahead: bool
+    def __init__(self, method: _Optional[str] = ..., model: _Optional[_Union[_types_pb2.ModelInfo, _Mapping]] = ..., load: _Optional[_Union[_types_pb2.LoadReport, _Mapping]] = ..., supports_draft_ahead: _Optional[bool] = ...) -> None: ...
 
 class CancelDraftRequest(_message.Message):
     __slots__ = ("session_id",)
