@@ -34,7 +34,7 @@ sim: setup
 # offline prompts, then follow-up turns, then the draft is distilled and exported. Resumable: rerun
 # to continue. TRAIN_DIR holds the data and checkpoints; GEN_BATCHES caps the first-turn data.
 TRAIN_DIR ?= distill-work
-GEN_BATCHES ?= 20
+GEN_BATCHES ?= 41
 FOLLOW_UP_BATCHES ?= 4
 TRAIN_MINUTES ?= 55
 train-draft: setup

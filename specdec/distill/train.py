@@ -258,7 +258,8 @@ def main(argv=None) -> int:
         bar.update(1)
         bar.set_postfix(kd=f"{info['kd']:.3f}", agree=f"{info['top1_agree']:.3f}")
         entry = {"step": step, "lr": lr, "elapsed_s": round(time.monotonic() - start, 1), **info}
-        if step % args.eval_every == 0 or step == args.steps:
+        out_of_time = time.monotonic() - start > budget_s
+        if step % args.eval_every == 0 or step == args.steps or out_of_time:  # the last step is a candidate too
             entry["eval"] = evaluate(model, holdout, head_ids)
             bar.write(f"step {step}: {entry['eval']}")
             score = entry["eval"]["top1_agree"]
@@ -268,7 +269,6 @@ def main(argv=None) -> int:
                 (args.out / "best" / "eval.json").write_text(json.dumps({"step": step, **entry["eval"]}))
         log.write(json.dumps(entry) + "\n")
         log.flush()
-        out_of_time = time.monotonic() - start > budget_s
         if step % args.checkpoint_every == 0 or step == args.steps or out_of_time:
             tmp = checkpoint.with_suffix(".tmp")
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp)
