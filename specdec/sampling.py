@@ -19,9 +19,15 @@ STREAM_DRAFT = 1
 STREAM_VERIFY = 2
 
 
+# Temperatures below this sample greedily (as vLLM's sampling epsilon): a smaller T would turn
+# logits / T into inf (NaN probabilities) for any logit spread, and its distribution is the argmax anyway.
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples. ``temperature == 0`` means greedy decoding."""
+    """How one request samples. ``temperature`` below ``GREEDY_TEMPERATURE`` (0 included) means greedy
+    decoding: the limit of sampling as T → 0, and logits / T would overflow fp32 long before T = 0."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -36,7 +42,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending field."""

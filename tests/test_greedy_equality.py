@@ -166,6 +166,17 @@ def test_greedy_speculative_equals_target_generate(kind, k, references, tiny_tar
 # KV rollback
 
 
+@pytest.mark.parametrize("temperature", [1.1754943508222875e-38, 1e-30, 5e-6])
+def test_vanishing_temperature_decodes_greedily(temperature, references, tiny_target, tiny_noisy_draft):
+    """T → 0 is greedy decoding: a tiny positive temperature (the smallest fp32 normal, found by the fuzz
+    test) must neither produce NaN probabilities nor leave the greedy tokens."""
+    ids, reference = references[0]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=temperature, ignore_eos=True, seed=3)
+    for drafter in (None, ModelDrafter(tiny_noisy_draft)):
+        result = run_sync(collect(LocalEngine(tiny_target, drafter).stream(ids, params, num_draft_tokens=3)))
+        assert result.token_ids == reference
+
+
 def test_kv_rollback_matches_a_fresh_forward(tiny_target):
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, tiny_target.vocab_size, (12,), generator=g).tolist()
