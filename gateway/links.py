@@ -35,18 +35,24 @@ async def _write(call, message, delay_s: float = 0.0) -> None:
     await call.write(message)
 
 
-async def _close(call) -> None:
-    """Half-close so the service ends the session normally; cancel if it does not end promptly."""
-    if call.done():
-        return
+async def _close(call, reader: asyncio.Task | None = None) -> None:
+    """Half-close so the service ends the session normally (finishing what it still owes); cancel if
+    it does not end promptly. ``reader``: the task already reading this stream, which sees the end."""
     try:
+        if call.done():
+            return
         await call.done_writing()
-        await asyncio.wait_for(call.wait_for_connection(), CLOSE_WAIT_S)
-        while await asyncio.wait_for(call.read(), CLOSE_WAIT_S) is not grpc.aio.EOF:
-            pass
+        if reader is not None:
+            await asyncio.wait_for(asyncio.shield(reader), CLOSE_WAIT_S)
+        else:
+            await asyncio.wait_for(call.wait_for_connection(), CLOSE_WAIT_S)
+            while await asyncio.wait_for(call.read(), CLOSE_WAIT_S) is not grpc.aio.EOF:
+                pass
     except (grpc.aio.AioRpcError, asyncio.TimeoutError, grpc.aio.UsageError, asyncio.InvalidStateError):
         pass
     finally:
+        if reader is not None and not reader.done():
+            reader.cancel()
         if not call.done():
             call.cancel()
 
@@ -222,25 +228,15 @@ class RemoteDrafter:
         self._ahead_owed = True
 
     async def close(self) -> None:
-        """Half-close and let the drafter finish what it owes (a block drafted ahead), so the session
-        ends normally; cancel only if it does not end promptly."""
+        """Let the drafter finish what it owes (a block drafted ahead) and end the session normally;
+        a broken stream owes nothing and is cancelled at once."""
         if self._start_task is not None and not self._start_task.done():
             self._start_task.cancel()
-        for task in (self._continue_write,):
-            if task is not None:
-                await asyncio.gather(task, return_exceptions=True)
-        try:
-            if not self.call.done() and self.broken is None:
-                await self.call.done_writing()
-            if self._reader is not None:
-                await asyncio.wait_for(asyncio.shield(self._reader), CLOSE_WAIT_S)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError, grpc.aio.UsageError, asyncio.InvalidStateError):
-            pass
-        finally:
-            if self._reader is not None and not self._reader.done():
-                self._reader.cancel()
-            if not self.call.done():
-                self.call.cancel()
+        if self._continue_write is not None:
+            await asyncio.gather(self._continue_write, return_exceptions=True)
+        if self.broken is not None and not self.call.done():
+            self.call.cancel()
+        await _close(self.call, self._reader)
 
 
 # Failures that mean "this verifier is gone", not "this request is bad".

@@ -310,6 +310,8 @@ class HFRunner(Runner):
         import torch
         from transformers.generation.streamers import BaseStreamer
 
+        from specdec.sampling import GREEDY_TEMPERATURE
+
         tokenizer = self.target.tokenizer
         prompt_ids = encode(tokenizer, messages, prompt)
         eos = list(self.target.eos_token_ids)
@@ -330,7 +332,7 @@ class HFRunner(Runner):
 
         kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=eos or None,
                       pad_token_id=(eos[0] if eos else tokenizer.pad_token_id))
-        if temperature > 0:
+        if temperature >= GREEDY_TEMPERATURE:  # as the engine: below it, greedy
             kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
             torch.manual_seed(seed)
         else:
