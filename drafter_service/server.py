@@ -7,6 +7,7 @@ import logging
 import time
 
 from specdec import telemetry
+from specdec.batching import BatchingOptions
 from specdec.drafters import Drafter, DraftSession, ModelDrafter, NgramDrafter
 from specdec.models import EMBEDDED_DRAFT, LoadedModel, load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.rpc import convert
@@ -104,13 +105,15 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
                     if committed:
                         self._validate_ids(committed, "committed_token_ids")
                     previous_block = ahead_block
-                    proposal = await self._run(self._propose, session, committed, k)
+                    proposal, batch = await self._batched((session, committed, k), len(committed) + k)
                     self.metrics.tokens.inc(len(proposal))
                     if trace is not None:
                         trace.step("propose", received, round=propose.round, k=k, drafted=len(proposal),
-                                   committed=len(committed))
+                                   committed=len(committed), batch_size=batch.size,
+                                   queue_wait_ms=round(batch.queue_wait_s * 1e3, 3))
                     yield drafter_pb2.DraftResponse(proposal=drafter_pb2.DraftProposal(
                         round=propose.round, service_time_us=int((time.perf_counter() - received) * 1e6),
+                        batch_size=batch.size, queue_wait_us=int(batch.queue_wait_s * 1e6),
                         **convert.proposal_fields(proposal),
                     ))
                     ahead_block = []  # a block is only ever continued from the message right after it
@@ -164,10 +167,11 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
                                        vocab_size=len(self.tokenizer))
         return types_pb2.ModelInfo()
 
-    @staticmethod
-    def _propose(session: DraftSession, committed: list[int], k: int):
-        session.extend(committed)
-        return session.propose(k)
+    def _run_batch(self, jobs: list[tuple[DraftSession, list[int], int]]) -> list:
+        """Proposals for several sessions in batched draft passes (the model thread)."""
+        for session, committed, _ in jobs:
+            session.extend(committed)
+        return self.drafter.propose_batch([(session, k) for session, _, k in jobs])
 
     @map_unary_errors
     async def CancelDraft(self, request, context):
@@ -187,9 +191,9 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
 
 async def serve(method: str, draft_model: str | None, options: ServeOptions, max_sessions: int = 64,
                 device: str | None = None,
-                idle_timeout_s: float | None = 300.0) -> None:
+                idle_timeout_s: float | None = 300.0, batching: BatchingOptions | None = None) -> None:
     runtime = ServiceRuntime(SERVICE_NAME, options)
-    service = DrafterService(runtime, max_sessions=max_sessions, idle_timeout_s=idle_timeout_s)
+    service = DrafterService(runtime, max_sessions=max_sessions, idle_timeout_s=idle_timeout_s, batching=batching)
     drafter_pb2_grpc.add_DrafterServicer_to_server(service, runtime.server)
     port = await runtime.start()
     runtime.install_signal_handlers()

@@ -52,6 +52,10 @@ def _add_serve_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     _add_dtype_flag(p)
     p.add_argument("--idle-timeout", type=float, default=300.0,
                    help="drafter/verifier: free a session whose stream is silent this long (seconds)")
+    p.add_argument("--max-batch-size", type=int, default=16,
+                   help="drafter/verifier: sessions served by one batched forward pass (1 = no batching)")
+    p.add_argument("--batch-wait-ms", type=float, default=0.0,
+                   help="drafter/verifier: hold a pass back up to this long for more sessions to join it")
     p.add_argument("--tls-cert", default=None, help="PEM certificate (env SPECDEC_TLS_CERT); serves TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key (env SPECDEC_TLS_KEY)")
     p.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify peers (env SPECDEC_TLS_CA)")
@@ -262,6 +266,16 @@ def _generate_remote(args) -> int:
     return 0
 
 
+def _batching(args):
+    from specdec.batching import BatchingOptions
+
+    if args.max_batch_size < 1:
+        raise SystemExit("--max-batch-size must be >= 1")
+    if args.batch_wait_ms < 0:
+        raise SystemExit("--batch-wait-ms must be >= 0")
+    return BatchingOptions(max_batch_size=args.max_batch_size, max_wait_s=args.batch_wait_ms / 1e3)
+
+
 def _serve(args) -> int:
     from specdec.rpc.server import ServeOptions
 
@@ -277,12 +291,12 @@ def _serve(args) -> int:
         from verifier_service.server import serve
 
         coro = serve(args.target, options, max_sessions=args.max_sessions, device=args.device,
-                     idle_timeout_s=args.idle_timeout)
+                     idle_timeout_s=args.idle_timeout, batching=_batching(args))
     elif args.role == "drafter":
         from drafter_service.server import serve
 
         coro = serve(args.method, args.draft_model, options, max_sessions=args.max_sessions, device=args.device,
-                     idle_timeout_s=args.idle_timeout)
+                     idle_timeout_s=args.idle_timeout, batching=_batching(args))
     else:
         from gateway.server import GatewayLimits, LinkOptions, serve
 

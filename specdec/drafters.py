@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
+from specdec.batching import ForwardRow, batched_forward
 from specdec.kv import KVSession
 from specdec.models import LoadedModel
 from specdec.sampling import (
@@ -75,6 +76,11 @@ class Drafter(ABC):
     def start(self, prompt_ids: list[int], params: SamplingParams) -> DraftSession:
         """Open a drafting session for one generation."""
 
+    def propose_batch(self, requests: list[tuple[DraftSession, int]]) -> list[DraftProposal]:
+        """``session.propose(k)`` for several sessions of this drafter; model drafters run the
+        sessions' draft steps as batched forward passes. Results are the same as one by one."""
+        return [session.propose(k) for session, k in requests]
+
 
 class ModelDraftSession(DraftSession):
     def __init__(self, lm: LoadedModel, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -86,21 +92,32 @@ class ModelDraftSession(DraftSession):
         self.kv.forward(self.tokens, 1)
 
     def propose(self, num_draft_tokens: int) -> DraftProposal:
-        drafts: list[int] = []
-        probs = [] if not self.params.greedy else None
-        for i in range(num_draft_tokens):
-            logits = self.kv.forward(self.tokens + drafts, 1)
-            if self.params.greedy:
-                drafts.append(int(greedy_tokens(logits, self.lm.vocab_size)[0]))
-                continue
-            # Sample from the processed, top-K-truncated draft distribution and report exactly it.
-            q = truncate_top_k(
-                process_logits(logits, self.params, self.lm.vocab_size)[0], self.params.draft_top_k
-            )
-            generator = keyed_generator(self.params.resolved_seed(), len(self.tokens) + i, STREAM_DRAFT)
-            drafts.append(q.sample(generator))
-            probs.append(q)
-        return DraftProposal(drafts, probs)
+        return self.drafter_lm_propose([(self, num_draft_tokens)])[0]
+
+    def _draft_from(self, logits, drafts: list[int], probs: list | None) -> None:
+        """Append the next draft token, chosen from the draft's ``logits`` [1, V] at position
+        ``len(self.tokens) + len(drafts)``, and (sampling) the exact distribution it came from."""
+        if self.params.greedy:
+            drafts.append(int(greedy_tokens(logits, self.lm.vocab_size)[0]))
+            return
+        # Sample from the processed, top-K-truncated draft distribution and report exactly it.
+        q = truncate_top_k(process_logits(logits, self.params, self.lm.vocab_size)[0], self.params.draft_top_k)
+        generator = keyed_generator(self.params.resolved_seed(), len(self.tokens) + len(drafts), STREAM_DRAFT)
+        drafts.append(q.sample(generator))
+        probs.append(q)
+
+    def drafter_lm_propose(self, requests: list[tuple["ModelDraftSession", int]]) -> list[DraftProposal]:
+        """Draft for several sessions of the same model at once: step i runs one batched forward over
+        every session still short of its k. Each session's drafts are what its own ``propose`` gives."""
+        drafts: list[list[int]] = [[] for _ in requests]
+        probs = [None if session.params.greedy else [] for session, _ in requests]
+        active = [i for i, (_, k) in enumerate(requests) if k > 0]
+        while active:
+            rows = [ForwardRow(requests[i][0].kv, requests[i][0].tokens + drafts[i], 1) for i in active]
+            for i, logits in zip(active, batched_forward(self.lm, rows)):
+                requests[i][0]._draft_from(logits, drafts[i], probs[i])
+            active = [i for i in active if len(drafts[i]) < requests[i][1]]
+        return [DraftProposal(d, p) for d, p in zip(drafts, probs)]
 
     def close(self) -> None:
         self.kv.close()
@@ -116,6 +133,11 @@ class ModelDrafter(Drafter):
 
     def start(self, prompt_ids: list[int], params: SamplingParams) -> DraftSession:
         return ModelDraftSession(self.lm, prompt_ids, params)
+
+    def propose_batch(self, requests: list[tuple[DraftSession, int]]) -> list[DraftProposal]:
+        if not requests:
+            return []
+        return requests[0][0].drafter_lm_propose(requests)
 
 
 class NgramDraftSession(DraftSession):

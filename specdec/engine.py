@@ -68,6 +68,9 @@ class GenerationStats:
     completion_tokens: int = 0
     ahead_blocks: int = 0  # draft-ahead blocks received
     ahead_hits: int = 0  # ... whose assumption held, so they were verified without drafting
+    batched_rounds: int = 0  # rounds whose verdict reported the verifier's batched pass
+    batch_size_sum: int = 0  # ... and the sessions in those passes, summed
+    verify_queue_wait_s: float = 0.0  # ... and the rounds' wait for them
 
     @property
     def acceptance_rate(self) -> float:
@@ -82,6 +85,10 @@ class GenerationStats:
         return [a / d if d else 0.0 for a, d in zip(self.per_position_accepted, self.per_position_drafted)]
 
     @property
+    def mean_batch_size(self) -> float:
+        return self.batch_size_sum / self.batched_rounds if self.batched_rounds else 0.0
+
+    @property
     def tokens_per_s(self) -> float:
         return self.completion_tokens / self.total_s if self.total_s > 0 else 0.0
 
@@ -91,6 +98,10 @@ class GenerationStats:
         A stop inside the block ends the count there: drafts past the stop are neither drafted
         nor accepted for the stats (``k_history`` keeps the k that was asked for)."""
         accepted = min(verdict.num_accepted, emitted)
+        if verdict.batch is not None:
+            self.batched_rounds += 1
+            self.batch_size_sum += verdict.batch.size
+            self.verify_queue_wait_s += verdict.batch.queue_wait_s
         self.rounds += 1
         self.k_history.append(k)
         if emitted < len(verdict.tokens):
@@ -123,6 +134,8 @@ class GenerationStats:
             "verify_s": self.verify_s,
             "ahead_blocks": self.ahead_blocks,
             "ahead_hits": self.ahead_hits,
+            "mean_batch_size": self.mean_batch_size,
+            "verify_queue_wait_s": self.verify_queue_wait_s,
         }
 
 
@@ -219,7 +232,8 @@ async def generate(
             emitted = len(chunk.token_ids)
             on_round(RoundRecord(stats.rounds, k, drafted, min(verdict.num_accepted, emitted), emitted,
                                  t1 - t0, t2 - t1, t0))
-        policy.observe(RoundObservation(drafted, verdict.num_accepted, t1 - t0, t2 - t1))
+        policy.observe(RoundObservation(drafted, verdict.num_accepted, t1 - t0, t2 - t1,
+                                        verdict.batch.size if verdict.batch is not None else 0))
         yield chunk
     stats.total_s = time.perf_counter() - start
     stats.completion_tokens = len(completion.token_ids)

@@ -39,15 +39,34 @@ class KVSession:
             self.cache.crop(-excess)
             del self.cached_tokens[length:]
 
-    def forward(self, tokens: list[int], num_logits: int = 1) -> torch.Tensor:
-        """Logits (fp32, [num_logits, V]) for the last ``num_logits`` positions of ``tokens``."""
+    def prepare(self, tokens: list[int], num_logits: int) -> list[int]:
+        """Roll back to the prefix ``tokens`` shares with the cache (leaving ``num_logits`` positions
+        to compute) and return the tokens still to feed."""
         if not 1 <= num_logits <= len(tokens):
             raise ValueError("num_logits must be between 1 and len(tokens)")
         keep = min(common_prefix_length(self.cached_tokens, tokens), len(tokens) - num_logits)
         self.rollback(keep)
-        logits = self.lm.forward(tokens[keep:], self.cache, num_logits)
+        return tokens[keep:]
+
+    def forward(self, tokens: list[int], num_logits: int = 1) -> torch.Tensor:
+        """Logits (fp32, [num_logits, V]) for the last ``num_logits`` positions of ``tokens``."""
+        logits = self.lm.forward(self.prepare(tokens, num_logits), self.cache, num_logits)
         self.cached_tokens = list(tokens)
         return logits
+
+    def layer_states(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per layer, the cached (keys, values) [1, heads, len, head_dim], or None while empty."""
+        return [(layer.keys, layer.values) if layer.is_initialized and layer.keys.numel() else None
+                for layer in self.cache.layers]
+
+    def adopt(self, states: list[tuple[torch.Tensor, torch.Tensor]], tokens: list[int]) -> None:
+        """Replace the cache with ``states`` (per layer keys/values computed elsewhere, e.g. by a
+        batched forward), which hold exactly ``tokens``."""
+        for layer, (keys, values) in zip(self.cache.layers, states, strict=True):
+            if not layer.is_initialized:
+                layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+        self.cached_tokens = list(tokens)
 
     def close(self) -> None:
         self.cache = None

@@ -190,15 +190,26 @@ class LoadedModel:
     def forward(self, input_ids: list[int], cache, num_logits: int) -> torch.Tensor:
         """Feed ``input_ids`` after what ``cache`` holds; return fp32 logits [num_logits, V]."""
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        return self.forward_rows(ids, cache, num_logits)[0]
+
+    @torch.inference_mode()
+    def forward_rows(self, ids: torch.Tensor, cache, num_logits: int, position_ids: torch.Tensor | None = None,
+                     attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward over ``ids`` [B, N] after ``cache``; fp32 logits [B, num_logits, V] (CPU) of the
+        last ``num_logits`` columns. Batches pass per-row ``position_ids`` and a 4D additive mask."""
+        kwargs = {self._cache_kwarg: cache, "use_cache": True}
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
         if self.head_token_ids is not None:
-            hidden = self.model.base_model(input_ids=ids, **{self._cache_kwarg: cache, "use_cache": True})
-            reduced = hidden.last_hidden_state[0, -num_logits:] @ self._head_weight.T
-            logits = torch.full((num_logits, self.logits_width), -torch.inf, device=self.device)
-            logits[:, self.head_token_ids] = reduced.float()
+            hidden = self.model.base_model(input_ids=ids, **kwargs).last_hidden_state[:, -num_logits:]
+            reduced = hidden @ self._head_weight.T
+            logits = torch.full((*reduced.shape[:2], self.logits_width), -torch.inf, device=self.device)
+            logits[..., self.head_token_ids] = reduced.float()
             return logits.cpu()
-        kwargs = {self._cache_kwarg: cache, "use_cache": True, "logits_to_keep": num_logits}
-        logits = self.model(input_ids=ids, **kwargs).logits
-        return logits[0, -num_logits:].float().cpu()
+        logits = self.model(input_ids=ids, logits_to_keep=num_logits, **kwargs).logits
+        return logits[:, -num_logits:].float().cpu()
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):

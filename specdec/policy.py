@@ -34,6 +34,7 @@ class RoundObservation:
     num_accepted: int
     draft_s: float
     verify_s: float
+    batch_size: int = 0  # sessions in the verifier's batched pass for this round (0: not reported)
 
 
 class DraftLengthPolicy(ABC):
@@ -649,6 +650,8 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         self.info_margin = info_margin
         self.verify = VerifyCostModel(decay=cost_decay)
         self.draft = DraftCostModel(decay=cost_decay)
+        self.cost_decay = cost_decay
+        self.co_batched = 0.0  # recent mean of other sessions sharing this session's verify passes
         self.warm_started = False
         if memory is not None and key is not None:
             entry = memory.get(key)
@@ -684,6 +687,9 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         rates = []
         for k in range(k_max + 1):
             t = vcurve[k] + (overhead + per_token * k if k > 0 else 0.0)
+            # Goodput under load (SmartSpec): my drafts lengthen the batched pass for every session
+            # sharing it, by what they cost me (the verify curve's rise over k = 0); counted as my cost.
+            t += self.co_batched * (vcurve[k] - vcurve[0])
             rates.append(tokens[k] / max(t, 1e-9))
         return rates
 
@@ -699,6 +705,7 @@ class AdaptiveDraftLength(DraftLengthPolicy):
             "draft_per_token_s": coef[1] if coef else None,
             "rates": self.expected_rates(k_max),
             "probe_interval": self.probe_interval,
+            "co_batched_sessions": self.co_batched,
             "warm_started": self.warm_started,
         }
 
@@ -763,6 +770,9 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         n = max(0, min(int(outcome.num_accepted), k))
         self.acceptance.update(k, n)
         self.verify.update(k, float(outcome.verify_s))
+        if outcome.batch_size > 0:
+            others = float(outcome.batch_size - 1)
+            self.co_batched = self.cost_decay * self.co_batched + (1.0 - self.cost_decay) * others
         if k > 0:
             if self._catch_up:
                 self.draft.note_catch_up(k, float(outcome.draft_s))

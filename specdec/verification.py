@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.acceptance import AcceptanceResult, accept_greedy, accept_speculative
+from specdec.batching import BatchInfo, ForwardRow, batched_forward
 from specdec.kv import KVSession
 from specdec.models import LoadedModel
 from specdec.sampling import (
@@ -30,6 +31,7 @@ class Verdict:
     num_accepted: int
     tokens: list[int]
     committed_length: int  # prompt + generated, after this verdict
+    batch: BatchInfo | None = None  # the batched pass that computed it (verifier service), if known
 
     @staticmethod
     def from_acceptance(result: AcceptanceResult, committed_length: int) -> "Verdict":
@@ -55,9 +57,18 @@ class TargetSession:
         return self.verify(DraftProposal())
 
     def verify(self, proposal: DraftProposal) -> Verdict:
+        row = self.forward_row(proposal)
+        return self.commit(proposal, row.kv.forward(row.tokens, row.num_logits))
+
+    def forward_row(self, proposal: DraftProposal) -> ForwardRow:
+        """The forward this verification needs: the pending token and the drafts, k + 1 logits."""
+        drafts = [int(t) for t in proposal.draft_tokens]
+        return ForwardRow(self.kv, self.tokens + drafts, len(drafts) + 1)
+
+    def commit(self, proposal: DraftProposal, logits) -> Verdict:
+        """Accept or reject ``proposal`` given the target's logits at its k + 1 positions."""
         drafts = [int(t) for t in proposal.draft_tokens]
         k = len(drafts)
-        logits = self.kv.forward(self.tokens + drafts, num_logits=k + 1)
         if self.params.greedy:
             argmax = greedy_tokens(logits, self.target.vocab_size).tolist()
             result = accept_greedy(argmax, drafts)
@@ -73,3 +84,17 @@ class TargetSession:
 
     def close(self) -> None:
         self.kv.close()
+
+
+
+def verify_batch(target: LoadedModel, jobs: list[tuple[TargetSession, DraftProposal]]) -> list[Verdict | Exception]:
+    """Verify several sessions' proposals in one forward pass of ``target``; one verdict (or the
+    error of that job alone) per job, each equal to what ``session.verify(proposal)`` decides."""
+    rows = [session.forward_row(proposal) for session, proposal in jobs]
+    results: list[Verdict | Exception] = []
+    for (session, proposal), logits in zip(jobs, batched_forward(target, rows), strict=True):
+        try:
+            results.append(session.commit(proposal, logits))
+        except Exception as exc:  # one session's failure is its own
+            results.append(exc)
+    return results

@@ -96,7 +96,8 @@ class Stack:
 
 
 def start_stack(target: Path | str, draft: Path | str | None, log_dir: Path, *, verifiers: int = 1,
-                gateway_args: list[str] = (), verifier_args: list[str] = (), metrics: bool = False,
+                gateway_args: list[str] = (), verifier_args: list[str] = (), drafter_args: list[str] = (),
+                metrics: bool = False,
                 env: dict | None = None) -> Stack:
     """A verifier (or several), a model drafter (if ``draft``) and a gateway over them; ``env`` is
     added to every service's environment."""
@@ -105,8 +106,8 @@ def start_stack(target: Path | str, draft: Path | str | None, log_dir: Path, *, 
           for i in range(verifiers)]
     ds = []
     if draft is not None:
-        ds.append(start_service("drafter", ["--method", "model", "--draft-model", str(draft)], log_dir, metrics=metrics,
-                                env=env))
+        ds.append(start_service("drafter", ["--method", "model", "--draft-model", str(draft), *drafter_args], log_dir,
+                                metrics=metrics, env=env))
     gw_args = ["--target", str(target), *gateway_args]
     for v in vs:
         gw_args += ["--verifier", v.address]

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
 from specdec import telemetry
+from specdec.batching import BatchingOptions
 from specdec.models import LoadedModel, load_model
 from specdec.rpc import convert
 from specdec.rpc.server import NotReady, idle_guard, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
 from specdec.rpc.sessions import ModelWorkerService
 from specdec.sampling import DraftProposal
 from specdec.v1 import types_pb2, verifier_pb2, verifier_pb2_grpc
-from specdec.verification import TargetSession
+from specdec.verification import TargetSession, Verdict, verify_batch
 
 log = logging.getLogger("specdec.verifier")
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
@@ -66,11 +68,12 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                     params = convert.sampling_from_pb(start.sampling)
                     session = TargetSession(lm, prompt, params)
                     key = self.sessions.open(start.session_id, session, cancelled)
-                    verdict = await self._run(session.prefill)
+                    verdict = await self._verify(session, DraftProposal(), len(prompt))
                     self.metrics.tokens.inc(len(verdict.tokens))
                     if trace is not None:
                         trace.set(session_id=key, prompt_tokens=len(prompt))
-                        trace.step("prefill", received, prompt_tokens=len(prompt), tokens=len(verdict.tokens))
+                        trace.step("prefill", received, prompt_tokens=len(prompt), tokens=len(verdict.tokens),
+                                   **_batch_attributes(verdict))
                     yield verifier_pb2.VerifyResponse(round=0, service_time_us=_us_since(received),
                                                       **convert.verdict_fields(verdict))
                 elif kind == "block":
@@ -78,13 +81,14 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                         raise ValueError("block: send start first")
                     proposal = convert.proposal_from_pb(request.block)
                     self._validate_block(proposal, session, lm)
-                    verdict = await self._run(session.verify, proposal)
+                    verdict = await self._verify(session, proposal, len(proposal) + 1)
                     self.metrics.tokens.inc(len(verdict.tokens))
                     self.metrics.draft_tokens.inc(verdict.num_drafts)
                     self.metrics.accepted_tokens.inc(verdict.num_accepted)
                     if trace is not None:
                         trace.step("verify", received, round=request.block.round, drafted=verdict.num_drafts,
-                                   accepted=verdict.num_accepted, tokens=len(verdict.tokens))
+                                   accepted=verdict.num_accepted, tokens=len(verdict.tokens),
+                                   **_batch_attributes(verdict))
                     yield verifier_pb2.VerifyResponse(round=request.block.round, service_time_us=_us_since(received),
                                                       **convert.verdict_fields(verdict))
                 else:
@@ -99,6 +103,14 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                 self.sessions.close(key)
             if trace is not None:
                 trace.end()
+
+    async def _verify(self, session: TargetSession, proposal: DraftProposal, tokens: int) -> Verdict:
+        """Verify in a batched pass with other sessions' pending messages (prefill: empty proposal)."""
+        verdict, info = await self._batched((session, proposal), tokens)
+        return dataclasses.replace(verdict, batch=info)
+
+    def _run_batch(self, jobs: list[tuple[TargetSession, DraftProposal]]) -> list:
+        return verify_batch(self.lm, jobs)
 
     def _validate_block(self, proposal: DraftProposal, session: TargetSession, lm: LoadedModel) -> None:
         k = len(proposal)
@@ -123,15 +135,20 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
         )
 
 
+def _batch_attributes(verdict: Verdict) -> dict:
+    info = verdict.batch
+    return {"batch_size": info.size, "batch_tokens": info.tokens, "queue_wait_ms": round(info.queue_wait_s * 1e3, 3)}
+
+
 def _us_since(started: float) -> int:
     """Microseconds since ``started`` (``time.perf_counter()``): the response's service_time_us."""
     return int((time.perf_counter() - started) * 1e6)
 
 
 async def serve(target: str, options: ServeOptions, max_sessions: int = 64, device: str | None = None,
-                idle_timeout_s: float | None = 300.0) -> None:
+                idle_timeout_s: float | None = 300.0, batching: BatchingOptions | None = None) -> None:
     runtime = ServiceRuntime(SERVICE_NAME, options)
-    service = VerifierService(runtime, max_sessions=max_sessions, idle_timeout_s=idle_timeout_s)
+    service = VerifierService(runtime, max_sessions=max_sessions, idle_timeout_s=idle_timeout_s, batching=batching)
     verifier_pb2_grpc.add_VerifierServicer_to_server(service, runtime.server)
     port = await runtime.start()
     runtime.install_signal_handlers()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.batching import BatchInfo
 from specdec.completion import FINISH_LENGTH, FINISH_STOP
 from specdec.engine import GenerationStats
 from specdec.models import LoadedModel, tokenizer_fingerprint
@@ -84,20 +85,28 @@ def proposal_from_pb(msg) -> DraftProposal:
 
 
 def verdict_fields(verdict: Verdict) -> dict:
-    return {
+    fields = {
         "num_drafts": verdict.num_drafts,
         "num_accepted": verdict.num_accepted,
         "token_ids": list(verdict.tokens),
         "committed_length": verdict.committed_length,
     }
+    if verdict.batch is not None:
+        fields.update(batch_size=verdict.batch.size, batch_tokens=verdict.batch.tokens,
+                      queue_wait_us=int(verdict.batch.queue_wait_s * 1e6))
+    return fields
 
 
 def verdict_from_pb(pb) -> Verdict:
+    batch = None
+    if pb.batch_size:  # older verifiers leave it 0
+        batch = BatchInfo(pb.batch_size, pb.batch_tokens, pb.queue_wait_us * 1e-6, 0.0)
     return Verdict(
         num_drafts=pb.num_drafts,
         num_accepted=pb.num_accepted,
         tokens=[int(t) for t in pb.token_ids],
         committed_length=int(pb.committed_length),
+        batch=batch,
     )
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from specdec.batching import BatchingOptions, BatchScheduler
 from specdec.rpc.server import Overloaded, SessionNotFound
 
 
@@ -32,14 +33,27 @@ class ServiceMetrics:
         self.accepted_tokens = Counter(
             "specdec_accepted_tokens", "Draft tokens accepted", ["role"], registry=registry
         ).labels(role)
+        self.batch_size = Histogram(
+            "specdec_batch_size", "Sessions served by one batched forward pass", ["role"], registry=registry,
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+        ).labels(role)
+        self.batch_pass_seconds = Histogram(
+            "specdec_batch_pass_seconds", "Duration of one batched forward pass", ["role"], registry=registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+        ).labels(role)
+        self.batch_queue_wait_seconds = Histogram(
+            "specdec_batch_queue_wait_seconds", "A message's wait for the batched pass that served it", ["role"],
+            registry=registry, buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+        ).labels(role)
 
 
 class SessionRegistry:
     """Live sessions of one service, at most ``max_sessions`` at once."""
 
-    def __init__(self, max_sessions: int, metrics: ServiceMetrics) -> None:
+    def __init__(self, max_sessions: int, metrics: ServiceMetrics, release=None) -> None:
         self.max_sessions = max_sessions
         self.metrics = metrics
+        self.release = release or (lambda session: session.close())  # frees a closed session's state
         self._sessions: dict[str, object] = {}
         self._cancel_events: dict[str, asyncio.Event] = {}
 
@@ -70,18 +84,20 @@ class SessionRegistry:
         self._cancel_events.pop(key, None)
         session = self._sessions.pop(key, None)
         if session is not None and hasattr(session, "close"):
-            session.close()
+            self.release(session)
         self.metrics.active_sessions.set(len(self._sessions))
 
 
 class ModelWorkerService:
     """What the drafter and verifier services share: session registry with its metrics, the idle
-    limit, and one model worker thread (forward passes run off the event loop, one at a time)."""
+    limit, and one model worker thread (forward passes run off the event loop, one at a time).
+    Sessions' per-message work goes through a ``BatchScheduler`` that serves concurrent sessions
+    in one batched pass (``_run_batch``)."""
 
     role = "service"
 
     def __init__(self, runtime, max_sessions: int = 64, max_draft_tokens: int = 32,
-                 idle_timeout_s: float | None = 300.0) -> None:
+                 idle_timeout_s: float | None = 300.0, batching: BatchingOptions | None = None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         from specdec import telemetry
@@ -90,9 +106,27 @@ class ModelWorkerService:
         self.idle_timeout_s = idle_timeout_s
         self.max_draft_tokens = max_draft_tokens
         self.metrics = ServiceMetrics(runtime.registry, self.role)
-        self.sessions = SessionRegistry(max_sessions, self.metrics)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-model")
+        # A session's KV cache is freed on the model thread, after any pass that is using it.
+        self.sessions = SessionRegistry(max_sessions, self.metrics,
+                                        release=lambda session: self.executor.submit(session.close))
+        self.batcher = BatchScheduler(self._run_batch, self.executor, batching or BatchingOptions(),
+                                      on_pass=self._observe_pass)
         telemetry.current().observe_active_sessions(self.role, lambda: len(self.sessions))
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def _batched(self, job, tokens: int):
+        """``(result, BatchInfo)`` of ``job`` served in a batched pass with other sessions' jobs."""
+        result, info = await self.batcher.submit(job, tokens)
+        self.metrics.batch_queue_wait_seconds.observe(info.queue_wait_s)
+        return result, info
+
+    def _run_batch(self, jobs: list) -> list:
+        """One pass over ``jobs`` (on the model thread): one result or exception per job."""
+        raise NotImplementedError
+
+    def _observe_pass(self, size: int, tokens: int, seconds: float) -> None:
+        self.metrics.batch_size.observe(size)
+        self.metrics.batch_pass_seconds.observe(seconds)
