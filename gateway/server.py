@@ -318,6 +318,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     yield gateway_pb2.GenerateResponse(request_id=request_id, token_ids=event.token_ids, text=event.text)
         finally:
             # Finish, client cancel, deadline or error: release both downstream sessions.
+            if log.isEnabledFor(logging.DEBUG) and hasattr(policy, "estimates"):
+                log.debug("request %s: draft-length model at the end %s", request_id, policy.estimates(4))
             policy.close()
             self.active -= 1
             self.metrics.active_sessions.set(self.active)

@@ -1,13 +1,13 @@
 """Batching across sessions: one forward pass over several sessions' new tokens, and the scheduler
 that gathers concurrent sessions' work into such passes.
 
-Each session keeps its own KV cache (``KVSession``). A batched pass lays the sessions' cached keys and
-values side by side, right-aligned and left-padded to the longest, feeds every session's new tokens
-(right-padded) at that session's own positions, and masks padding out, so each row attends exactly
-to its own prefix. Afterwards every session adopts its row of the grown cache. The logits of a row
-equal (up to floating-point rounding of a differently shaped matrix product) what the session's own
-``KVSession.forward`` returns; tokens, acceptance and sampling stay per session and position-keyed,
-so batching changes no output distribution.
+Each session keeps its own KV cache (``KVSession`` with ``GrowingKVLayer``s). A batched pass feeds
+every session's new tokens (right-padded to the longest) at that session's own positions; all the
+matrix products (projections, MLP, LM head) run once for the batch, while attention runs per row
+over that session's own cache, which grows in place: nothing is padded or copied per pass beyond
+the new tokens. The logits of a row equal (up to floating-point rounding of a differently shaped
+matrix product) what the session's own ``KVSession.forward`` returns; tokens, acceptance and
+sampling stay per session and position-keyed, so batching changes no output distribution.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ from specdec.models import LoadedModel
 
 log = logging.getLogger(__name__)
 
+# The attention implementation models run under (set at load): transformers' SDPA attention, plus
+# per-row attention when a batched pass hands it ``RaggedKV``.
+RAGGED_ATTENTION = "specdec_ragged_sdpa"
+
 
 @dataclass
 class ForwardRow:
@@ -38,107 +42,137 @@ class ForwardRow:
     num_logits: int = 1
 
 
-def _batchable(kv: KVSession) -> bool:
-    from transformers.cache_utils import DynamicLayer
-
-    # Sliding-window or other special layers keep extra state: those models run row by row.
-    return all(type(layer) is DynamicLayer for layer in kv.cache.layers)
-
-
 def batched_forward(lm: LoadedModel, rows: Sequence[ForwardRow]) -> list[torch.Tensor]:
     """Logits (fp32, [num_logits, V]) per row, from one forward pass of ``lm`` over all rows.
 
     Invariant: afterwards each row's KV session holds exactly ``row.tokens``, as after
     ``row.kv.forward(row.tokens, row.num_logits)``, and the returned logits are that call's.
+    Models without the ragged attention (or caches of other layer kinds) run row by row.
     """
-    if len(rows) == 1 or not all(_batchable(row.kv) for row in rows):
+    if len(rows) == 1 or not lm.ragged_attention or any(row.kv.growing_layers is None for row in rows):
         return [row.kv.forward(row.tokens, row.num_logits) for row in rows]
     feeds = [row.kv.prepare(row.tokens, row.num_logits) for row in rows]
     past_lengths = [len(row.kv) for row in rows]
-    past, width = max(past_lengths), max(len(feed) for feed in feeds)
+    fed = [len(feed) for feed in feeds]
+    width = max(fed)
     device = lm.device
     ids = torch.zeros((len(rows), width), dtype=torch.long, device=device)
     for i, feed in enumerate(feeds):
         ids[i, : len(feed)] = torch.tensor(feed, dtype=torch.long)
-    columns = torch.arange(width, device=device)
-    position_ids = torch.tensor(past_lengths, device=device)[:, None] + columns[None, :]
-    mask = _attention_mask(past_lengths, [len(feed) for feed in feeds], past, width, lm.model.dtype, device)
+    position_ids = torch.tensor(past_lengths, device=device)[:, None] + torch.arange(width, device=device)[None, :]
     cache = lm.new_cache()
-    cache.layers = [_PaddedPastLayer([row.kv.layer_states()[layer] for row in rows], past)
+    cache.layers = [_RaggedBatchLayer([row.kv.growing_layers[layer] for row in rows], fed, max(past_lengths))
                     for layer in range(len(rows[0].kv.cache.layers))]
     # Logits for the window covering every row's last num_logits fed positions.
-    window = width - min(len(feed) - row.num_logits for feed, row in zip(feeds, rows))
-    logits = lm.forward_rows(ids, cache, window, position_ids=position_ids, attention_mask=mask)
+    window = width - min(n - row.num_logits for n, row in zip(fed, rows))
+    try:
+        # A 4D mask skips transformers' mask building; the ragged attention masks each row itself.
+        logits = lm.forward_rows(ids, cache, window, position_ids=position_ids,
+                                 attention_mask=torch.ones((len(rows), 1, 1, 1), dtype=torch.bool, device=device))
+    except BaseException:
+        for row, past in zip(rows, past_lengths):  # layers the pass reached grew: roll every row back
+            row.kv.rollback_to(past)
+        raise
     out = []
-    for i, (row, feed) in enumerate(zip(rows, feeds)):
-        end = len(feed) - (width - window)
+    for i, (row, n) in enumerate(zip(rows, fed)):
+        end = n - (width - window)
         out.append(logits[i, end - row.num_logits : end])
-        start = past - past_lengths[i]
-        row.kv.adopt([(layer.keys[i : i + 1, :, start : past + len(feed)],
-                       layer.values[i : i + 1, :, start : past + len(feed)]) for layer in cache.layers], row.tokens)
+        row.kv.cached_tokens = list(row.tokens)
     return out
 
 
-def _attention_mask(past_lengths: list[int], fed: list[int], past: int, width: int, dtype: torch.dtype,
-                    device: torch.device) -> torch.Tensor:
-    """Additive mask [B, 1, width, past + width]: a row sees its own cached prefix (the last
-    ``past_lengths[i]`` of the padded past) and its fed tokens causally; a padding query sees itself only
-    (a fully masked row would turn into NaN)."""
-    rows = len(fed)
-    key = torch.arange(past + width, device=device)
-    query = torch.arange(width, device=device)
-    first_cached = past - torch.tensor(past_lengths, device=device)
-    n_fed = torch.tensor(fed, device=device)
-    sees_past = (key[None, None, :] < past) & (key[None, None, :] >= first_cached[:, None, None])
-    new_key = key[None, None, :] - past  # index among fed tokens
-    sees_new = (new_key >= 0) & (new_key <= query[None, :, None]) & (new_key < n_fed[:, None, None])
-    padding_query = query[None, :, None] >= n_fed[:, None, None]
-    sees_self = padding_query & (new_key == query[None, :, None])
-    allowed = (sees_past | sees_new | sees_self).expand(rows, width, past + width)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-    return mask[:, None]
+class RaggedKV:
+    """A batched pass's keys (or values) for one layer: row i's own [1, heads, length_i, dim], of
+    which the last ``fed[i]`` positions are the row's new tokens."""
+
+    def __init__(self, rows: list[torch.Tensor], fed: list[int]) -> None:
+        self.rows = rows
+        self.fed = fed
 
 
-class _PaddedPastLayer:
-    """A cache layer for one batched pass: on ``update`` it lays the rows' cached keys/values
-    right-aligned into a zero-padded [B, heads, past + new, head_dim] tensor followed by the new ones."""
+def _ragged_layer_base():
+    from transformers.cache_utils import CacheLayerMixin
+
+    return CacheLayerMixin
+
+
+class _RaggedBatchLayer(_ragged_layer_base()):
+    """A cache layer for one batched pass: appends each row's fed keys/values to that session's own
+    layer and hands attention every row's full keys/values."""
 
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, pasts: list[tuple[torch.Tensor, torch.Tensor] | None], past: int) -> None:
-        self.pasts = pasts
+    def __init__(self, layers, fed: list[int], past: int) -> None:
+        super().__init__()
+        self.is_initialized = True
+        self.layers = layers
+        self.fed = fed
         self.past = past
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.is_initialized = False
-
-    def _assemble(self, new: torch.Tensor, which: int) -> torch.Tensor:
-        rows, heads, width, dim = new.shape
-        out = new.new_empty((rows, heads, self.past + width, dim))
-        out[:, :, self.past :] = new
-        for i, states in enumerate(self.pasts):
-            cached = 0 if states is None else states[which].shape[-2]
-            if cached:
-                out[i, :, self.past - cached : self.past] = states[which][0]
-            if cached < self.past:  # padding: masked out, but must not hold NaN (0 * NaN is NaN)
-                out[i, :, : self.past - cached] = 0
-        return out
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self.keys, self.values = self._assemble(key_states, 0), self._assemble(value_states, 1)
-        self.is_initialized = True
-        self.pasts = []
-        return self.keys, self.values
+        keys, values = [], []
+        for i, (layer, n) in enumerate(zip(self.layers, self.fed)):
+            k, v = layer.update(key_states[i : i + 1, :, :n], value_states[i : i + 1, :, :n])
+            keys.append(k)
+            values.append(v)
+        return RaggedKV(keys, self.fed), RaggedKV(values, self.fed)
 
     def get_seq_length(self) -> int:
-        return self.past if self.keys is None else int(self.keys.shape[-2])
+        return self.past
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+        return self.past + query_length, 0
 
     def get_max_length(self) -> int:
         return -1
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # the rows' own layers hold the state
+        pass
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a batched pass's layer is not cropped; its rows' sessions are")
+
+
+def _ragged_sdpa_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """transformers' SDPA attention; for ``RaggedKV`` (a batched pass), SDPA row by row over each
+    row's own keys, causal over its fed tokens. Padding queries get zeros (never read)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if not isinstance(key, RaggedKV):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    rows, heads, width, dim = query.shape
+    groups = heads // key.rows[0].shape[1]  # query heads per key/value head (GQA)
+    out = query.new_zeros((rows, width, heads, dim))
+    for i, (k, v, n) in enumerate(zip(key.rows, value.rows, key.fed)):
+        if n == 1:  # decoding: the group's query heads become queries of their shared key/value head
+            q = query[i : i + 1, :, :1].reshape(1, heads // groups, groups, dim)
+            out[i, 0] = sdpa(q, k, v, scale=scaling).reshape(heads, dim)
+            continue
+        total = k.shape[2]  # query j sees the cached prefix and fed tokens 0..j
+        mask = torch.ones((n, total), dtype=torch.bool, device=query.device).tril(total - n)
+        row = sdpa(query[i : i + 1, :, :n], k, v, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
+        out[i, :n] = row[0].transpose(0, 1)
+    return out, None
+
+
+def enable_ragged_attention(model) -> bool:
+    """Switch ``model`` (if it runs transformers' SDPA attention) to the ragged variant, which is the
+    same function outside batched passes. Returns whether batched passes are possible."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    AttentionInterface.register(RAGGED_ATTENTION, _ragged_sdpa_attention)
+    AttentionMaskInterface.register(RAGGED_ATTENTION, sdpa_mask)
+    try:
+        model.set_attn_implementation(RAGGED_ATTENTION)
+    except (ValueError, ImportError) as exc:
+        log.info("batched passes off for %s: %s", type(model).__name__, exc)
+        return False
+    return model.config._attn_implementation == RAGGED_ATTENTION
 
 
 @dataclass(frozen=True)

@@ -652,6 +652,11 @@ def summarize_records(records: Sequence[RequestRecord], duration_s: float) -> di
         })
     else:
         out.update({"acceptance_rate": None, "mean_accepted_length": None})
+    batched = [s for s in stats if s.get("mean_batch_size")]
+    if batched:  # the verifier's batching across sessions, weighted by rounds
+        rounds = sum(max(1, int(s.get("rounds", 0))) for s in batched)
+        out["mean_batch_size"] = sum(float(s["mean_batch_size"]) * max(1, int(s.get("rounds", 0))) for s in batched) / rounds
+        out["verify_queue_wait_s"] = sum(float(s.get("verify_queue_wait_s", 0.0)) for s in batched)
     return out
 
 
@@ -789,8 +794,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0, help="request seeds and Poisson arrivals")
-    p.add_argument("--concurrency", type=int, default=None,
-                   help="conversations in flight (default 1; unbounded with --request-rate)")
+    p.add_argument("--concurrency", default=None,
+                   help="conversations in flight (default 1; unbounded with --request-rate); a comma-separated "
+                        "list (1,2,4,8,16) runs the systems at each level into OUT/c<N>/ and writes a scaling "
+                        "table and plot (OUT/concurrency.md, concurrency_scaling.png)")
     p.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second (default: back to back)")
     p.add_argument("--systems", default=None,
                    help=f"comma-separated from {', '.join(SYSTEM_KINDS)} "
@@ -821,8 +828,10 @@ def validate_args(args) -> None:
         raise ValueError("--max-new-tokens must be >= 1")
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise ValueError("--temperature must be >= 0")
-    if args.concurrency is not None and args.concurrency < 1:
-        raise ValueError("--concurrency must be >= 1")
+    levels = args.concurrency if isinstance(args.concurrency, list) else parse_concurrency(args.concurrency)
+    if levels is not None and len(levels) > 1 and args.request_rate is not None:
+        raise ValueError("--concurrency with several levels excludes --request-rate")
+    args.concurrency = levels[0] if levels is not None and len(levels) == 1 else levels
     if args.request_rate is not None and not args.request_rate > 0:
         raise ValueError("--request-rate must be > 0")
     if args.threads is not None and args.threads < 1:
@@ -831,6 +840,19 @@ def validate_args(args) -> None:
         raise ValueError("--net-delay must be >= 0")
     if args.up and (args.local or args.gateway):
         raise ValueError("--up starts its own gateway: not with --local or --gateway")
+
+
+def parse_concurrency(value) -> list[int] | None:
+    """``--concurrency``: None, an int, or a comma-separated list of levels (each >= 1)."""
+    if value is None:
+        return None
+    try:
+        levels = [int(part) for part in str(value).split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--concurrency: {value!r} is not an integer or a comma-separated list of them") from None
+    if not levels or any(level < 1 for level in levels):
+        raise ValueError("--concurrency must be >= 1")
+    return levels
 
 
 class ModelCache:
@@ -863,6 +885,19 @@ class ModelCache:
         return ModelDrafter(draft) if draft is not None else NgramDrafter()
 
 
+def start_local_stack(args):
+    """``--up``: a local stack (``specdec up``) for the gateway systems; returns (stack, address)."""
+    from specdec.stack import LocalStack
+
+    up_args = ["--target", args.target, "--net-delay-ms", str(args.net_delay),
+               "--draft-ahead" if args.draft_ahead else "--no-draft-ahead"]
+    if args.draft_model:
+        up_args += ["--draft-model", args.draft_model]
+    stack = LocalStack(up_args, quiet=True)
+    log.info("starting a local stack: specdec up %s", " ".join(up_args))
+    return stack, stack.__enter__()
+
+
 def run_bench(args) -> dict:
     """Run the benchmark described by ``args`` (the ``bench`` subcommand's namespace); returns the summary."""
     from specdec.models import default_draft_model
@@ -883,15 +918,7 @@ def run_bench(args) -> dict:
     client = None
     stack = None
     if args.up and any(spec.kind == "gateway" for spec in systems):
-        from specdec.stack import LocalStack
-
-        up_args = ["--target", args.target, "--net-delay-ms", str(args.net_delay),
-                   "--draft-ahead" if args.draft_ahead else "--no-draft-ahead"]
-        if args.draft_model:
-            up_args += ["--draft-model", args.draft_model]
-        stack = LocalStack(up_args, quiet=True)
-        log.info("starting a local stack: specdec up %s", " ".join(up_args))
-        gateway_address = stack.__enter__()
+        stack, gateway_address = start_local_stack(args)
     skipped: dict[str, str] = {}
     all_records: dict[str, list[RequestRecord]] = {}
     summaries: dict[str, dict] = {}
@@ -961,8 +988,8 @@ def run_bench(args) -> dict:
             "request_rate": args.request_rate,
             "systems": [s.name for s in systems],
             "net_delay_ms": args.net_delay,
-            "net_delay_injected": stack is not None and args.net_delay > 0,
-            "draft_ahead_default": args.draft_ahead if stack is not None else None,
+            "net_delay_injected": (stack is not None or getattr(args, "stack_started", False)) and args.net_delay > 0,
+            "draft_ahead_default": args.draft_ahead if stack is not None or getattr(args, "stack_started", False) else None,
         },
         "machine": machine_info(args.device),
         "systems": summaries,
@@ -1220,11 +1247,93 @@ def render_report(summary: dict) -> str:
     return "\n".join(lines)
 
 
+SCALING_FIELDS = ("tokens_per_s", "ttft_p50_s", "tpot_p50_s", "latency_p50_s", "acceptance_rate",
+                  "mean_accepted_length", "k_mean", "mean_batch_size", "errors")
+
+
+def run_sweep(args) -> dict:
+    """``--concurrency 1,2,4,...``: every system at every level (one stack for all with ``--up``),
+    each level's full report under ``OUT/c<N>/``, and the scaling table and plot in ``OUT``."""
+    import copy
+
+    levels = list(args.concurrency)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stack = None
+    base = copy.copy(args)
+    from specdec.models import default_draft_model
+
+    base.draft_model = base.draft_model or default_draft_model(base.target)
+    if args.up:
+        stack, base.gateway = start_local_stack(base)
+        base.up, base.stack_started = False, True
+    runs: dict[int, dict] = {}
+    try:
+        for level in levels:
+            run_args = copy.copy(base)
+            run_args.concurrency, run_args.out = level, str(out_dir / f"c{level}")
+            log.info("concurrency %d", level)
+            runs[level] = run_bench(run_args)
+    finally:
+        if stack is not None:
+            stack.__exit__()
+    systems = list(runs[levels[0]]["systems"])
+    sweep = {
+        "levels": levels,
+        "config": {**runs[levels[0]]["config"], "concurrency": levels},
+        "machine": runs[levels[0]]["machine"],
+        "systems": {name: [{"concurrency": level, **{f: runs[level]["systems"].get(name, {}).get(f) for f in SCALING_FIELDS}}
+                           for level in levels] for name in systems},
+        "spec_vs_baseline": [runs[level]["speedup"].get("spec_vs_baseline") for level in levels],
+    }
+    for name, points in sweep["systems"].items():
+        first = points[0]["tokens_per_s"]
+        for point in points:
+            point["scaling_vs_first_level"] = ratio(point["tokens_per_s"], first)
+    from specdec import bench_plots
+
+    sweep["plot"] = bench_plots.plot_concurrency_scaling(out_dir / "concurrency_scaling.png", sweep)
+    (out_dir / "concurrency.json").write_text(json.dumps(sweep, indent=2) + "\n")
+    (out_dir / "concurrency.md").write_text(render_sweep(sweep))
+    return sweep
+
+
+def render_sweep(sweep: dict) -> str:
+    cfg = sweep["config"]
+    lines = ["# specdec bench: concurrency sweep", "",
+             f"- prompts `{cfg['prompts']}`, limit {cfg['limit']} → {cfg['requests_per_system']} requests per system "
+             f"and level; max_new_tokens {cfg['max_new_tokens']}, temperature {cfg['temperature']}",
+             f"- levels (conversations in flight): {', '.join(map(str, sweep['levels']))}; each level's full report "
+             "is in c<N>/report.md", "",
+             "| system | concurrency | tok/s (aggregate) | × level 1 | TTFT p50 (ms) | TPOT p50 (ms) "
+             "| mean accepted len | mean k | mean verifier batch | errors |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, points in sweep["systems"].items():
+        for p in points:
+            lines.append(f"| {name} | {p['concurrency']} | {_fmt(p['tokens_per_s'])} | {_fmt(p['scaling_vs_first_level'])} "
+                         f"| {_fmt(p['ttft_p50_s'], 1e3, 0)} | {_fmt(p['tpot_p50_s'], 1e3, 1)} "
+                         f"| {_fmt(p['mean_accepted_length'])} | {_fmt(p['k_mean'])} | {_fmt(p['mean_batch_size'])} "
+                         f"| {p['errors']} |")
+    lines += ["", "| concurrency | " + " | ".join(map(str, sweep["levels"])) + " |",
+              "|---|" + "---:|" * len(sweep["levels"]),
+              "| spec / baseline | " + " | ".join(_fmt(v, digits=3) for v in sweep["spec_vs_baseline"]) + " |", "",
+              f"![concurrency scaling]({sweep['plot']})", ""]
+    return "\n".join(lines)
+
+
 def main(args) -> int:
     """The ``specdec bench`` entry point (``args`` from ``add_arguments``)."""
     from specdec.models import ModelLoadError
 
     try:
+        validate_args(args)
+        if isinstance(args.concurrency, list):
+            sweep = run_sweep(args)
+            print(f"wrote {Path(args.out) / 'concurrency.md'} (and c<N>/ per level)")
+            for name, points in sweep["systems"].items():
+                print(f"  {name:>12}: " + ", ".join(f"c={p['concurrency']} {p['tokens_per_s']:.2f} tok/s" for p in points))
+            print("  spec/baseline: " + ", ".join(_fmt(v, digits=3) for v in sweep["spec_vs_baseline"]))
+            return 1 if any(p["errors"] for points in sweep["systems"].values() for p in points) else 0
         summary = run_bench(args)
     except (ValueError, ModelLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -180,3 +180,37 @@ def write_plots(out_dir: Path, summary: dict, records: dict) -> list[str]:
     plot_latency_cdfs(out_dir / PLOTS[2], summary, records)
     plot_k_over_time(out_dir / PLOTS[3], summary, records)
     return list(PLOTS)
+
+
+def plot_concurrency_scaling(path: Path, sweep: dict) -> str:
+    """Aggregate tokens/s per system against concurrency, and spec / baseline at each level."""
+    plt = _pyplot()
+    levels = sweep["levels"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for name, points in sweep["systems"].items():
+        left.plot(levels, [p["tokens_per_s"] or 0.0 for p in points], marker="o", label=name)
+    first = next(iter(sweep["systems"].values()), [])
+    if first and first[0]["tokens_per_s"]:
+        left.plot(levels, [first[0]["tokens_per_s"] * level / levels[0] for level in levels], color="0.6", ls=":",
+                  label="linear in streams")
+    left.set_xscale("log", base=2)
+    left.set_xticks(levels, [str(level) for level in levels])
+    left.set_xlabel("concurrent streams")
+    left.set_ylabel("aggregate output tokens/s")
+    left.set_title("Throughput under concurrency")
+    left.legend(fontsize=8)
+    ratios = sweep.get("spec_vs_baseline") or []
+    if any(r is not None for r in ratios):
+        right.plot(levels, [r if r is not None else float("nan") for r in ratios], marker="o", color="C3")
+        right.axhline(1.0, color="0.3", lw=1, ls="--")
+        right.set_xscale("log", base=2)
+        right.set_xticks(levels, [str(level) for level in levels])
+        right.set_xlabel("concurrent streams")
+        right.set_ylabel("spec / baseline (tokens/s)")
+        right.set_title("Speculation's speedup under load")
+    else:
+        _empty(right, "no spec and baseline systems")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path.name

@@ -15,6 +15,84 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
     return n
 
 
+def _growing_layer_base():
+    from transformers.cache_utils import DynamicLayer
+
+    return DynamicLayer
+
+
+class GrowingKVLayer(_growing_layer_base()):
+    """One layer's keys/values for one sequence, in buffers that grow by doubling.
+
+    Appending writes in place and rolling back only moves the length, so a decoding step copies
+    its new keys/values only (transformers' ``DynamicLayer`` concatenates, copying the whole cache
+    every step). ``keys`` / ``values`` are views of the first ``length`` positions.
+    """
+
+    is_compileable = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+        self.length = 0
+
+    def _reserve(self, needed: int, like: torch.Tensor) -> None:
+        capacity = 0 if self._key_buffer is None else self._key_buffer.shape[2]
+        if needed <= capacity:
+            return
+        capacity = max(needed, 2 * capacity, 64)
+        rows, heads, _, dim = like.shape
+        keys = like.new_empty((rows, heads, capacity, dim))
+        values = like.new_empty((rows, heads, capacity, dim))
+        if self.length:
+            keys[:, :, : self.length] = self._key_buffer[:, :, : self.length]
+            values[:, :, : self.length] = self._value_buffer[:, :, : self.length]
+        self._key_buffer, self._value_buffer = keys, values
+        self.device = like.device
+        self.is_initialized = True
+
+    def _set_length(self, length: int) -> None:
+        self.length = length
+        self.keys = self._key_buffer[:, :, :length]
+        self.values = self._value_buffer[:, :, :length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.length + key_states.shape[2]
+        self._reserve(end, key_states)
+        self._key_buffer[:, :, self.length : end] = key_states
+        self._value_buffer[:, :, self.length : end] = value_states
+        self._set_length(end)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Negative: drop that many trailing positions; non-negative (legacy): keep that many."""
+        keep = self.length + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
+        if self._key_buffer is not None:
+            self._set_length(max(0, min(self.length, keep)))
+
+    def reset(self) -> None:
+        if self._key_buffer is not None:
+            self._set_length(0)
+
+
+def new_session_cache(lm: LoadedModel):
+    """A KV cache for one sequence: ``GrowingKVLayer``s where the model's layers are plain
+    (full-attention) ones, transformers' own cache otherwise (sliding windows, linear attention)."""
+    from transformers.cache_utils import DynamicLayer
+
+    cache = lm.new_cache()
+    if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
+        cache.layers = [GrowingKVLayer() for _ in cache.layers]
+    return cache
+
+
 class KVSession:
     """One sequence's KV cache on one model.
 
@@ -26,7 +104,7 @@ class KVSession:
 
     def __init__(self, lm: LoadedModel) -> None:
         self.lm = lm
-        self.cache = lm.new_cache()
+        self.cache = new_session_cache(lm)
         self.cached_tokens: list[int] = []
 
     def __len__(self) -> int:
@@ -38,6 +116,13 @@ class KVSession:
         if excess > 0:
             self.cache.crop(-excess)
             del self.cached_tokens[length:]
+
+    def rollback_to(self, length: int) -> None:
+        """Make cache and ``cached_tokens`` agree on the first ``length`` positions (after a failed
+        batched pass, which may have grown some layers and not others)."""
+        for layer in self.growing_layers or []:
+            layer.crop(min(layer.length, length))
+        del self.cached_tokens[length:]
 
     def prepare(self, tokens: list[int], num_logits: int) -> list[int]:
         """Roll back to the prefix ``tokens`` shares with the cache (leaving ``num_logits`` positions
@@ -54,19 +139,11 @@ class KVSession:
         self.cached_tokens = list(tokens)
         return logits
 
-    def layer_states(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-        """Per layer, the cached (keys, values) [1, heads, len, head_dim], or None while empty."""
-        return [(layer.keys, layer.values) if layer.is_initialized and layer.keys.numel() else None
-                for layer in self.cache.layers]
-
-    def adopt(self, states: list[tuple[torch.Tensor, torch.Tensor]], tokens: list[int]) -> None:
-        """Replace the cache with ``states`` (per layer keys/values computed elsewhere, e.g. by a
-        batched forward), which hold exactly ``tokens``."""
-        for layer, (keys, values) in zip(self.cache.layers, states, strict=True):
-            if not layer.is_initialized:
-                layer.lazy_initialization(keys, values)
-            layer.keys, layer.values = keys, values
-        self.cached_tokens = list(tokens)
+    @property
+    def growing_layers(self) -> list[GrowingKVLayer] | None:
+        """The cache's layers when they are ``GrowingKVLayer``s (what batched passes need), else None."""
+        layers = self.cache.layers
+        return layers if layers and all(isinstance(layer, GrowingKVLayer) for layer in layers) else None
 
     def close(self) -> None:
         self.cache = None

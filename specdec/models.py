@@ -148,6 +148,7 @@ class LoadedModel:
     vocab_size: int  # ids the tokenizer knows; ids at or beyond it are never emitted
     eos_token_ids: tuple[int, ...]
     _cache_kwarg: str = field(default="cache", repr=False)
+    ragged_attention: bool = False  # batched passes over several sessions' caches (specdec.batching)
     head_token_ids: torch.Tensor | None = field(default=None, repr=False)  # FR-Spec reduced head
     _head_weight: torch.Tensor | None = field(default=None, repr=False)
 
@@ -257,6 +258,9 @@ def load_model(
         eos_token_ids=tuple(sorted(eos)),
         _cache_kwarg="cache" if "cache" in params else "past_key_values",
     )
+    from specdec.batching import enable_ragged_attention
+
+    loaded.ragged_attention = enable_ragged_attention(model)
     head_file = Path(path) / HEAD_TOKEN_IDS_FILE
     if head_file.is_file():
         try:

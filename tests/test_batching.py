@@ -58,6 +58,29 @@ def test_batched_forward_matches_each_session_alone(tiny_target):
         torch.testing.assert_close(kv.forward(tokens + [3], 1), ref.forward(tokens + [3], 1), rtol=1e-4, atol=1e-4)
 
 
+def test_a_failed_pass_leaves_every_session_consistent(tiny_target, monkeypatch):
+    """A pass that fails in its second layer (after the first grew every row's cache) rolls every
+    session back to what it held; the sessions then continue exactly."""
+    rng = random.Random(1)
+    vocab = tiny_target.vocab_size
+    sequences = [[rng.randrange(vocab) for _ in range(n)] for n in (4, 11, 7)]
+    sessions = [KVSession(tiny_target) for _ in sequences]
+    batched_forward(tiny_target, [ForwardRow(kv, list(tokens), 1) for kv, tokens in zip(sessions, sequences)])
+    layer = tiny_target.model.model.layers[1]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(layer.mlp, "forward", broken)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        batched_forward(tiny_target, [ForwardRow(kv, tokens + [1, 2], 2) for kv, tokens in zip(sessions, sequences)])
+    monkeypatch.undo()
+    for kv, tokens in zip(sessions, sequences):
+        assert all(layer.get_seq_length() == len(kv.cached_tokens) for layer in kv.cache.layers)
+        expected = KVSession(tiny_target).forward(tokens + [5], 1)
+        torch.testing.assert_close(kv.forward(tokens + [5], 1), expected, rtol=1e-4, atol=1e-4)
+
+
 def run_lockstep(target, drafter, prompts: list[list[int]], params: list[SamplingParams], k: int):
     """Every session advances together: one batched drafting pass and one batched verification per
     round (as the services do under concurrency), sessions dropping out as they finish."""

@@ -259,3 +259,36 @@ def test_bench_up_tiny(tiny_pair, prompt_file, tmp_path):
     assert set(summary["systems"]["spec-k=2"]["k_counts"]) <= {"0", "1", "2"}
     assert summary["speedup"]["spec_vs_baseline"] > 0
     assert math.isfinite(summary["speedup"]["measured_over_bound"])
+
+
+def test_bench_concurrency_sweep_up_tiny(tiny_pair, prompt_file, tmp_path):
+    """--concurrency 1,3: one stack for both levels, a full report per level, the scaling table and plot;
+    at 3 streams the verifier served several sessions per pass."""
+    _, target, draft = tiny_pair
+    out = tmp_path / "out"
+    rc = cli_main(["--log-level", "WARNING", "bench", "--up", "--target", str(target), "--draft-model", str(draft),
+                   "--prompts", str(prompt_file), "--limit", "3", "--max-new-tokens", "16",
+                   "--systems", "spec,baseline", "--concurrency", "1,3", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    for level in (1, 3):
+        summary = _check_outputs(out / f"c{level}", ["spec", "baseline"])
+        assert summary["config"]["concurrency"] == level
+    sweep = json.loads((out / "concurrency.json").read_text())
+    assert sweep["levels"] == [1, 3] and len(sweep["spec_vs_baseline"]) == 2
+    for name in ("spec", "baseline"):
+        points = sweep["systems"][name]
+        assert [p["concurrency"] for p in points] == [1, 3]
+        assert all(p["tokens_per_s"] > 0 and p["errors"] == 0 for p in points)
+        assert points[0]["scaling_vs_first_level"] == 1.0
+        assert points[0]["mean_batch_size"] == 1.0  # one stream: every pass serves it alone
+    assert (out / "concurrency_scaling.png").read_bytes()[:8] == PNG_MAGIC
+    assert "| spec / baseline |" in (out / "concurrency.md").read_text()
+
+
+def test_concurrency_levels_parse():
+    assert bench.parse_concurrency(None) is None
+    assert bench.parse_concurrency("4") == [4]
+    assert bench.parse_concurrency("1, 2,8") == [1, 2, 8]
+    for bad in ("0", "1,x", ""):
+        with pytest.raises(ValueError, match="--concurrency"):
+            bench.parse_concurrency(bad)

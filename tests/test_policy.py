@@ -199,6 +199,30 @@ def test_high_round_trip_favours_longer_drafts():
     assert sum(slow[-40:]) > sum(cheap[-40:])
 
 
+def test_shorter_drafts_when_the_verifier_batch_is_shared():
+    """Goodput under load: with 7 other sessions in each verify pass, a draft token's pass cost is paid
+    by all 8, so a draft that pays alone (steep CPU-like verify curve, α 0.7) no longer does."""
+
+    def run(batch_size: int) -> list[int]:
+        policy, rng, ks = AdaptiveDraftLength(), random.Random(5), []
+        for _ in range(120):
+            k = policy.choose(16)
+            n = 0
+            while n < k and rng.random() < 0.7:
+                n += 1
+            # This session's view: its own drafts lengthen the pass by 0.15 step each.
+            policy.observe(RoundObservation(k, n, 0.02 * k * STEP, (1.0 + 0.15 * k) * STEP, batch_size))
+            ks.append(k)
+        return ks
+
+    alone, shared = run(1), run(8)
+    assert sum(alone[-40:]) / 40 >= 2  # (exploration moves k by one now and then)
+    # k = 0, apart from one-token probes (accepted probes keep the probe interval short).
+    assert max(shared[-40:]) <= 1 and shared[-40:].count(0) >= 20, shared[-40:]
+    assert sum(shared[-40:]) <= 0.25 * sum(alone[-40:])
+    assert run(0)[-40:] == alone[-40:]  # a verifier that reports no batch size: as alone
+
+
 def test_warm_start_from_memory_changes_the_first_choice():
     memory = AcceptanceMemory()
     key = AcceptanceMemory.make_key("draft_model", "tiny-draft", "target")
