@@ -751,6 +751,13 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         if rates[best] >= self.paid_gain * rates[0]:
             self.paid = True
         self._spec_rounds += 1
+        # On a close call, measure k = 0 now and then: otherwise its cost is only extrapolated from
+        # drafting rounds, and a verify curve steeper than the prior keeps drafting that does not pay.
+        unmeasured = self.verify.weights.get(0, 0.0) < 1.0
+        refresh = self.explore_every > 0 and self._spec_rounds % self.explore_every == self.explore_every // 2
+        if rates[best] < 1.5 * rates[0] and ((unmeasured and self._spec_rounds % 8 == 0) or refresh):
+            self._kind = "explore"
+            return 0
         explore = (self.explore_every > 0 and self._spec_rounds % self.explore_every == 0) or (
             self.draft.spread < 0.1 and self._spec_rounds % 3 == 0
         )

@@ -199,6 +199,23 @@ def test_high_round_trip_favours_longer_drafts():
     assert sum(slow[-40:]) > sum(cheap[-40:])
 
 
+def test_measures_k0_on_a_close_call_instead_of_extrapolating():
+    """Verifying any draft costs a step more than verifying none (a step-shaped curve), and drafting
+    looks worth it only while k = 0's cost is extrapolated from drafting rounds (flat there). The
+    policy measures k = 0 and settles on it."""
+    policy, rng, ks = AdaptiveDraftLength(), random.Random(2), []
+    for _ in range(80):
+        k = policy.choose(16)
+        n = 0
+        while n < k and rng.random() < 0.35:
+            n += 1
+        verify = 0.040 if k == 0 else 0.058
+        policy.observe(RoundObservation(k, n, (0.004 + 0.003 * k) if k else 0.0, verify))
+        ks.append(k)
+    assert 0 in ks[:24]  # measured early
+    assert ks[-30:].count(0) >= 20, ks[-30:]  # (accepted probes come back quickly)
+
+
 def test_shorter_drafts_when_the_verifier_batch_is_shared():
     """Goodput under load: with 7 other sessions in each verify pass, a draft token's pass cost is paid
     by all 8, so a draft that pays alone (steep CPU-like verify curve, α 0.7) no longer does."""
