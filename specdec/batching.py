@@ -190,7 +190,10 @@ class BatchingOptions:
     """How a service batches sessions' work (``--max-batch-size``, ``--batch-wait-ms``)."""
 
     max_batch_size: int = 16  # 1: every message gets its own pass
-    max_wait_s: float = 0.0  # extra wait for a pass to fill; 0: take what queued while the last pass ran
+    # Longest a pass waits for sessions that are open but have nothing queued (their next message is
+    # on its way: a pass's sessions come back after a round trip). Without it, two streams alternate
+    # passes forever instead of sharing them. 0: take only what queued while the last pass ran.
+    max_wait_s: float = 0.005
     max_batch_tokens: int = 256
     max_row_tokens: int = 32  # longer jobs (prefills) run alone: padding every row to them wastes work
 
@@ -209,14 +212,16 @@ class BatchScheduler:
     A pass takes the oldest pending job and, while under ``max_batch_size`` jobs and
     ``max_batch_tokens`` tokens, the next ones; a job over ``max_row_tokens`` (a long prefill) runs
     alone, because padding every row to its length would multiply the pass's work. Jobs that arrive
-    while a pass runs wait for the next one (continuous batching); ``max_wait_s`` optionally holds a
-    pass back that long for more jobs to arrive (the bound on the extra latency batching adds).
-    ``run_batch(jobs)`` returns one result or exception per job.
+    while a pass runs wait for the next one (continuous batching). While fewer jobs are queued than
+    ``expected()`` sessions are open, a pass waits up to ``max_wait_s`` for theirs to arrive (the
+    bound on the latency batching adds); a long job does not wait. ``run_batch(jobs)`` returns one
+    result or exception per job.
     """
 
     def __init__(self, run_batch: Callable[[list], list], executor: Executor,
                  options: BatchingOptions = BatchingOptions(),
-                 on_pass: Callable[[int, int, float], None] | None = None) -> None:
+                 on_pass: Callable[[int, int, float], None] | None = None,
+                 expected: Callable[[], int] | None = None) -> None:
         if options.max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         self.run_batch = run_batch
@@ -226,8 +231,10 @@ class BatchScheduler:
         self.max_row_tokens = options.max_row_tokens
         self.max_wait_s = options.max_wait_s
         self.on_pass = on_pass  # (size, tokens, seconds) after each pass: metrics
+        self.expected = expected or (lambda: 1)  # sessions that may send work (open sessions)
         self._pending: deque[_Pending] = deque()
         self._wakeup: asyncio.Event | None = None
+        self._arrived: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
 
     async def submit(self, job, tokens: int):
@@ -235,10 +242,12 @@ class BatchScheduler:
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done():
             self._wakeup = asyncio.Event()
+            self._arrived = asyncio.Event()
             self._task = loop.create_task(self._serve(), name="batch-scheduler")
         entry = _Pending(job, tokens, loop.create_future())
         self._pending.append(entry)
         self._wakeup.set()
+        self._arrived.set()
         # A cancelled caller leaves a cancelled future behind; the scheduler skips it.
         return await entry.future
 
@@ -249,6 +258,24 @@ class BatchScheduler:
             if not entry.future.done():
                 entry.future.cancel()
         self._pending.clear()
+
+    async def _wait_for_sessions(self, loop) -> None:
+        """Hold the pass up to ``max_wait_s`` while open sessions have nothing queued yet."""
+        deadline = loop.time() + self.max_wait_s
+        while True:
+            live = [e for e in self._pending if not e.future.done()]
+            if not live or live[0].tokens > self.max_row_tokens:
+                return
+            if len(live) >= min(self.expected(), self.max_batch_size):
+                return
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
 
     def _take(self) -> list[_Pending]:
         while self._pending and self._pending[0].future.done():
@@ -277,8 +304,7 @@ class BatchScheduler:
         loop = asyncio.get_running_loop()
         while True:
             await self._wakeup.wait()
-            if self.max_wait_s > 0 and len(self._pending) < self.max_batch_size:
-                await asyncio.sleep(self.max_wait_s)
+            await self._wait_for_sessions(loop)
             batch = self._take()
             if not self._pending:
                 self._wakeup.clear()

@@ -54,8 +54,9 @@ def _add_serve_flags(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="drafter/verifier: free a session whose stream is silent this long (seconds)")
     p.add_argument("--max-batch-size", type=int, default=16,
                    help="drafter/verifier: sessions served by one batched forward pass (1 = no batching)")
-    p.add_argument("--batch-wait-ms", type=float, default=0.0,
-                   help="drafter/verifier: hold a pass back up to this long for more sessions to join it")
+    p.add_argument("--batch-wait-ms", type=float, default=5.0,
+                   help="drafter/verifier: hold a pass up to this long for open sessions whose next message "
+                        "has not arrived yet (0: only what queued during the last pass)")
     p.add_argument("--tls-cert", default=None, help="PEM certificate (env SPECDEC_TLS_CERT); serves TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key (env SPECDEC_TLS_KEY)")
     p.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify peers (env SPECDEC_TLS_CA)")

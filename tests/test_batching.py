@@ -21,7 +21,7 @@ from specdec.kv import KVSession
 from specdec.sampling import DraftProposal, SamplingParams
 from specdec.verification import TargetSession, verify_batch
 from tests.harness import start_stack
-from tests.test_distribution import ALPHA, _target_probs, chi2_pvalue
+from tests.test_distribution import assert_first_three_follow_target
 from tests.test_greedy_equality import PROMPTS, corrupting_script, hf_greedy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -156,23 +156,7 @@ def test_batched_sampling_matches_target_distribution(tiny_target, tiny_noisy_dr
         assert batch_sizes[0] == 8
         outcomes.extend(tuple(out[:3]) for out in outputs[:5])
         seed += 5
-    reference = params_for_seed(0)
-    cells: dict[tuple[int, int, int], float] = {}
-    p1 = _target_probs(tiny_target, prompt, reference)
-    for a in p1.nonzero().flatten().tolist():
-        p2 = _target_probs(tiny_target, prompt + [a], reference)
-        for b in p2.nonzero().flatten().tolist():
-            p3 = _target_probs(tiny_target, prompt + [a, b], reference)
-            for c in p3.nonzero().flatten().tolist():
-                cells[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
-    unexpected = [o for o in outcomes if o not in cells]
-    assert not unexpected, f"outcomes the target cannot produce: {unexpected[:5]}"
-    keys = list(cells)
-    counts = torch.zeros(len(keys), dtype=torch.long)
-    for outcome in outcomes:
-        counts[keys.index(outcome)] += 1
-    probs = torch.tensor([cells[key] for key in keys], dtype=torch.float64)
-    assert chi2_pvalue(counts, probs / probs.sum()) > ALPHA
+    assert_first_three_follow_target(tiny_target, prompt, params_for_seed(0), outcomes)
 
 
 def test_batched_sampling_equals_unbatched_per_seed(tiny_target, tiny_noisy_draft):
@@ -199,7 +183,8 @@ def test_scheduler_gathers_concurrent_jobs_and_runs_prefills_alone():
         return [job.upper() for job in jobs]
 
     async def main():
-        scheduler = BatchScheduler(run_batch, ThreadPoolExecutor(1), BatchingOptions(max_batch_size=3, max_row_tokens=8))
+        scheduler = BatchScheduler(run_batch, ThreadPoolExecutor(1),
+                                   BatchingOptions(max_batch_size=3, max_row_tokens=8, max_wait_s=0.0))
         first = asyncio.ensure_future(scheduler.submit("a", 1))
         await asyncio.sleep(0.05)
         jobs = {name: asyncio.ensure_future(scheduler.submit(name, tokens))
@@ -221,6 +206,32 @@ def test_scheduler_gathers_concurrent_jobs_and_runs_prefills_alone():
     assert done["b"][0] == "B" and done["b"][1].size == 3 and done["b"][1].tokens == 6
     assert done["prefill"][1].size == 1
     assert isinstance(done["bad"], ValueError) and done["e"][0] == "E"
+
+
+def test_scheduler_waits_briefly_for_open_sessions():
+    """Two open sessions whose messages arrive 30 ms apart share a pass (instead of alternating
+    passes forever); with one open session, or the wait off, the first runs at once."""
+    passes: list[list[str]] = []
+
+    def run_batch(jobs):
+        passes.append(list(jobs))
+        return list(jobs)
+
+    async def main(expected: int, wait_s: float) -> None:
+        scheduler = BatchScheduler(run_batch, ThreadPoolExecutor(1), BatchingOptions(max_wait_s=wait_s),
+                                   expected=lambda: expected)
+        first = asyncio.ensure_future(scheduler.submit("a", 1))
+        await asyncio.sleep(0.03)
+        second = asyncio.ensure_future(scheduler.submit("b", 1))
+        await asyncio.gather(first, second)
+        scheduler.close()
+
+    asyncio.run(main(expected=2, wait_s=0.5))
+    assert passes == [["a", "b"]]
+    passes.clear()
+    asyncio.run(main(expected=1, wait_s=0.5))
+    asyncio.run(main(expected=2, wait_s=0.0))
+    assert passes == [["a"], ["b"], ["a"], ["b"]]
 
 
 def _metric(text: str, name: str) -> float:

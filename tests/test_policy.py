@@ -40,6 +40,18 @@ def drive(policy, rounds: int, accepted, max_k: int = 16, **cost_kw) -> list[int
     return ks
 
 
+def drive_costs(policy, rounds: int, accepted, draft_s, verify_s, batch_size: int = 0) -> list[int]:
+    """Like ``drive`` with the round costs as functions of k (no draft time at k = 0) and the
+    verifier's reported batch size."""
+    ks = []
+    for i in range(rounds):
+        k = policy.choose(16)
+        n = accepted(k, i) if k else 0
+        policy.observe(RoundObservation(k, n, draft_s(k) if k else 0.0, verify_s(k), batch_size))
+        ks.append(k)
+    return ks
+
+
 def geometric(alpha: float, seed: int = 0):
     rng = random.Random(seed)
 
@@ -203,15 +215,8 @@ def test_measures_k0_on_a_close_call_instead_of_extrapolating():
     """Verifying any draft costs a step more than verifying none (a step-shaped curve), and drafting
     looks worth it only while k = 0's cost is extrapolated from drafting rounds (flat there). The
     policy measures k = 0 and settles on it."""
-    policy, rng, ks = AdaptiveDraftLength(), random.Random(2), []
-    for _ in range(80):
-        k = policy.choose(16)
-        n = 0
-        while n < k and rng.random() < 0.35:
-            n += 1
-        verify = 0.040 if k == 0 else 0.058
-        policy.observe(RoundObservation(k, n, (0.004 + 0.003 * k) if k else 0.0, verify))
-        ks.append(k)
+    ks = drive_costs(AdaptiveDraftLength(), 80, geometric(0.35, 2),
+                     draft_s=lambda k: 0.004 + 0.003 * k, verify_s=lambda k: 0.040 if k == 0 else 0.058)
     assert 0 in ks[:24]  # measured early
     assert ks[-30:].count(0) >= 20, ks[-30:]  # (accepted probes come back quickly)
 
@@ -221,16 +226,9 @@ def test_shorter_drafts_when_the_verifier_batch_is_shared():
     by all 8, so a draft that pays alone (steep CPU-like verify curve, α 0.7) no longer does."""
 
     def run(batch_size: int) -> list[int]:
-        policy, rng, ks = AdaptiveDraftLength(), random.Random(5), []
-        for _ in range(120):
-            k = policy.choose(16)
-            n = 0
-            while n < k and rng.random() < 0.7:
-                n += 1
-            # This session's view: its own drafts lengthen the pass by 0.15 step each.
-            policy.observe(RoundObservation(k, n, 0.02 * k * STEP, (1.0 + 0.15 * k) * STEP, batch_size))
-            ks.append(k)
-        return ks
+        # This session's view: its own drafts lengthen the pass by 0.15 step each.
+        return drive_costs(AdaptiveDraftLength(), 120, geometric(0.7, 5), draft_s=lambda k: 0.02 * k * STEP,
+                           verify_s=lambda k: (1.0 + 0.15 * k) * STEP, batch_size=batch_size)
 
     alone, shared = run(1), run(8)
     assert sum(alone[-40:]) / 40 >= 2  # (exploration moves k by one now and then)

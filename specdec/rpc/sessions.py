@@ -111,7 +111,7 @@ class ModelWorkerService:
         self.sessions = SessionRegistry(max_sessions, self.metrics,
                                         release=lambda session: self.executor.submit(session.close))
         self.batcher = BatchScheduler(self._run_batch, self.executor, batching or BatchingOptions(),
-                                      on_pass=self._observe_pass)
+                                      on_pass=self._observe_pass, expected=lambda: len(self.sessions))
         telemetry.current().observe_active_sessions(self.role, lambda: len(self.sessions))
 
     async def _run(self, fn, *args):
