@@ -109,8 +109,7 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
                     self.metrics.tokens.inc(len(proposal))
                     if trace is not None:
                         trace.step("propose", received, round=propose.round, k=k, drafted=len(proposal),
-                                   committed=len(committed), batch_size=batch.size,
-                                   queue_wait_ms=round(batch.queue_wait_s * 1e3, 3))
+                                   committed=len(committed), **batch.trace_attributes())
                     yield drafter_pb2.DraftResponse(proposal=drafter_pb2.DraftProposal(
                         round=propose.round, service_time_us=int((time.perf_counter() - received) * 1e6),
                         batch_size=batch.size, queue_wait_us=int(batch.queue_wait_s * 1e6),

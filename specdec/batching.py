@@ -182,7 +182,10 @@ class BatchInfo:
     size: int  # jobs in the pass
     tokens: int  # tokens the pass fed (the jobs' sizes, padding excluded)
     queue_wait_s: float  # from submit to the pass starting
-    pass_s: float  # the pass, start to end
+
+    def trace_attributes(self) -> dict:
+        """The step attributes services add to their traces."""
+        return {"batch_size": self.size, "batch_tokens": self.tokens, "queue_wait_ms": round(self.queue_wait_s * 1e3, 3)}
 
 
 @dataclass(frozen=True)
@@ -331,5 +334,5 @@ class BatchScheduler:
                 if isinstance(result, BaseException):
                     entry.future.set_exception(result)
                 else:
-                    info = BatchInfo(len(batch), tokens, started - entry.submitted, pass_s)
+                    info = BatchInfo(len(batch), tokens, started - entry.submitted)
                     entry.future.set_result((result, info))

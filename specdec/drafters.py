@@ -92,7 +92,7 @@ class ModelDraftSession(DraftSession):
         self.kv.forward(self.tokens, 1)
 
     def propose(self, num_draft_tokens: int) -> DraftProposal:
-        return self.drafter_lm_propose([(self, num_draft_tokens)])[0]
+        return draft_together(self.lm, [(self, num_draft_tokens)])[0]
 
     def _draft_from(self, logits, drafts: list[int], probs: list | None) -> None:
         """Append the next draft token, chosen from the draft's ``logits`` [1, V] at position
@@ -106,21 +106,22 @@ class ModelDraftSession(DraftSession):
         drafts.append(q.sample(generator))
         probs.append(q)
 
-    def drafter_lm_propose(self, requests: list[tuple["ModelDraftSession", int]]) -> list[DraftProposal]:
-        """Draft for several sessions of the same model at once: step i runs one batched forward over
-        every session still short of its k. Each session's drafts are what its own ``propose`` gives."""
-        drafts: list[list[int]] = [[] for _ in requests]
-        probs = [None if session.params.greedy else [] for session, _ in requests]
-        active = [i for i, (_, k) in enumerate(requests) if k > 0]
-        while active:
-            rows = [ForwardRow(requests[i][0].kv, requests[i][0].tokens + drafts[i], 1) for i in active]
-            for i, logits in zip(active, batched_forward(self.lm, rows)):
-                requests[i][0]._draft_from(logits, drafts[i], probs[i])
-            active = [i for i in active if len(drafts[i]) < requests[i][1]]
-        return [DraftProposal(d, p) for d, p in zip(drafts, probs)]
-
     def close(self) -> None:
         self.kv.close()
+
+
+def draft_together(lm: LoadedModel, requests: list[tuple[ModelDraftSession, int]]) -> list[DraftProposal]:
+    """Draft for several sessions of ``lm`` at once: step i runs one batched forward over every session
+    still short of its k. Each session's drafts are what it would draft alone."""
+    drafts: list[list[int]] = [[] for _ in requests]
+    probs = [None if session.params.greedy else [] for session, _ in requests]
+    active = [i for i, (_, k) in enumerate(requests) if k > 0]
+    while active:
+        rows = [ForwardRow(requests[i][0].kv, requests[i][0].tokens + drafts[i], 1) for i in active]
+        for i, logits in zip(active, batched_forward(lm, rows)):
+            requests[i][0]._draft_from(logits, drafts[i], probs[i])
+        active = [i for i in active if len(drafts[i]) < requests[i][1]]
+    return [DraftProposal(d, p) for d, p in zip(drafts, probs)]
 
 
 class ModelDrafter(Drafter):
@@ -135,9 +136,7 @@ class ModelDrafter(Drafter):
         return ModelDraftSession(self.lm, prompt_ids, params)
 
     def propose_batch(self, requests: list[tuple[DraftSession, int]]) -> list[DraftProposal]:
-        if not requests:
-            return []
-        return requests[0][0].drafter_lm_propose(requests)
+        return draft_together(self.lm, requests)
 
 
 class NgramDraftSession(DraftSession):

@@ -197,7 +197,8 @@ class LoadedModel:
     def forward_rows(self, ids: torch.Tensor, cache, num_logits: int, position_ids: torch.Tensor | None = None,
                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """One forward over ``ids`` [B, N] after ``cache``; fp32 logits [B, num_logits, V] (CPU) of the
-        last ``num_logits`` columns. Batches pass per-row ``position_ids`` and a 4D additive mask."""
+        last ``num_logits`` columns. Batched passes give per-row ``position_ids`` and a 4D mask
+        (which makes transformers skip building its own)."""
         kwargs = {self._cache_kwarg: cache, "use_cache": True}
         if position_ids is not None:
             kwargs["position_ids"] = position_ids

@@ -73,7 +73,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                     if trace is not None:
                         trace.set(session_id=key, prompt_tokens=len(prompt))
                         trace.step("prefill", received, prompt_tokens=len(prompt), tokens=len(verdict.tokens),
-                                   **_batch_attributes(verdict))
+                                   **verdict.batch.trace_attributes())
                     yield verifier_pb2.VerifyResponse(round=0, service_time_us=_us_since(received),
                                                       **convert.verdict_fields(verdict))
                 elif kind == "block":
@@ -88,7 +88,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                     if trace is not None:
                         trace.step("verify", received, round=request.block.round, drafted=verdict.num_drafts,
                                    accepted=verdict.num_accepted, tokens=len(verdict.tokens),
-                                   **_batch_attributes(verdict))
+                                   **verdict.batch.trace_attributes())
                     yield verifier_pb2.VerifyResponse(round=request.block.round, service_time_us=_us_since(received),
                                                       **convert.verdict_fields(verdict))
                 else:
@@ -133,11 +133,6 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
             model=convert.model_info_pb(lm),
             load=types_pb2.LoadReport(active_sessions=len(self.sessions), max_sessions=self.sessions.max_sessions),
         )
-
-
-def _batch_attributes(verdict: Verdict) -> dict:
-    info = verdict.batch
-    return {"batch_size": info.size, "batch_tokens": info.tokens, "queue_wait_ms": round(info.queue_wait_s * 1e3, 3)}
 
 
 def _us_since(started: float) -> int:

@@ -100,7 +100,7 @@ def verdict_fields(verdict: Verdict) -> dict:
 def verdict_from_pb(pb) -> Verdict:
     batch = None
     if pb.batch_size:  # older verifiers leave it 0
-        batch = BatchInfo(pb.batch_size, pb.batch_tokens, pb.queue_wait_us * 1e-6, 0.0)
+        batch = BatchInfo(pb.batch_size, pb.batch_tokens, pb.queue_wait_us * 1e-6)
     return Verdict(
         num_drafts=pb.num_drafts,
         num_accepted=pb.num_accepted,
