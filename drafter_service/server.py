@@ -28,6 +28,7 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
         self.drafter: Drafter | None = None
         self.lm: LoadedModel | None = None
         self.tokenizer = None  # n-gram drafting needs no model, only the vocabulary
+        self.tokenizer_fingerprint = ""
 
     async def load(self, method: str, draft_model: str | None, device: str | None = None) -> None:
         loop = asyncio.get_running_loop()
@@ -38,6 +39,7 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
         elif method == "ngram":
             if draft_model:  # only the tokenizer: it identifies the vocabulary for the gateway's pairing check
                 self.tokenizer = await loop.run_in_executor(self.executor, load_tokenizer, draft_model)
+                self.tokenizer_fingerprint = tokenizer_fingerprint(self.tokenizer)
             self.drafter = NgramDrafter()
         else:
             raise SystemExit(f"unknown draft method {method!r}")
@@ -162,7 +164,7 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
         if self.lm is not None:
             return convert.model_info_pb(self.lm)
         if self.tokenizer is not None:
-            return types_pb2.ModelInfo(tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
+            return types_pb2.ModelInfo(tokenizer_fingerprint=self.tokenizer_fingerprint,
                                        vocab_size=len(self.tokenizer))
         return types_pb2.ModelInfo()
 

@@ -286,7 +286,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                   (drafter_backend.info.model.model or None) if drafter_backend is not None else None)
         draft_model = drafter_backend.info.model.model if drafter_backend is not None else ""
         policy = make_policy(k, memory=self.acceptance_memory, max_k=self.limits.max_draft_tokens,
-                             key=AcceptanceMemory.make_key(method, draft_model, verifier_backend.info.model.model))
+                             key=AcceptanceMemory.make_key(method, draft_model, verifier_backend.info.model.model),
+                             forward_curve=list(verifier_backend.info.forward_cost_s) or None)
         try:
             obs.generation_started()
             events = generate(

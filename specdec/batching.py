@@ -2,11 +2,11 @@
 that gathers concurrent sessions' work into such passes.
 
 Each session keeps its own KV cache (``KVSession`` with ``GrowingKVLayer``s). A batched pass feeds
-every session's new tokens (right-padded to the longest) at that session's own positions; all the
-matrix products (projections, MLP, LM head) run once for the batch, while attention runs per row
-over that session's own cache, which grows in place: nothing is padded or copied per pass beyond
-the new tokens. The logits of a row equal (up to floating-point rounding of a differently shaped
-matrix product) what the session's own ``KVSession.forward`` returns; tokens, acceptance and
+every session's new tokens, packed into one sequence, at that session's own positions; all the
+matrix products (projections, MLP, LM head) run once over exactly the tokens fed, while attention
+runs per row over that session's own cache, which grows in place: nothing is padded, and nothing
+is copied per pass beyond the new tokens. The logits of a row equal (up to floating-point
+rounding of a differently shaped matrix product) what the session's own ``KVSession.forward`` returns; tokens, acceptance and
 sampling stay per session and position-keyed, so batching changes no output distribution.
 """
 
@@ -48,45 +48,53 @@ def batched_forward(lm: LoadedModel, rows: Sequence[ForwardRow]) -> list[torch.T
     Invariant: afterwards each row's KV session holds exactly ``row.tokens``, as after
     ``row.kv.forward(row.tokens, row.num_logits)``, and the returned logits are that call's.
     Models without the ragged attention (or caches of other layer kinds) run row by row.
+
+    The rows' new tokens are packed into one sequence (row after row, each at its own positions):
+    the pass's matrix products cover exactly the tokens fed, so a row verifying several drafts adds
+    its own tokens to the pass and nothing to the other rows (padding to the longest row would
+    widen every row to it).
     """
     if len(rows) == 1 or not lm.ragged_attention or any(row.kv.growing_layers is None for row in rows):
         return [row.kv.forward(row.tokens, row.num_logits) for row in rows]
     feeds = [row.kv.prepare(row.tokens, row.num_logits) for row in rows]
     past_lengths = [len(row.kv) for row in rows]
     fed = [len(feed) for feed in feeds]
-    width = max(fed)
+    starts = [0]
+    for n in fed[:-1]:
+        starts.append(starts[-1] + n)
     device = lm.device
-    ids = torch.zeros((len(rows), width), dtype=torch.long, device=device)
-    for i, feed in enumerate(feeds):
-        ids[i, : len(feed)] = torch.tensor(feed, dtype=torch.long)
-    position_ids = torch.tensor(past_lengths, device=device)[:, None] + torch.arange(width, device=device)[None, :]
+    ids = torch.tensor([[token for feed in feeds for token in feed]], dtype=torch.long, device=device)
+    position_ids = torch.cat([torch.arange(past, past + n) for past, n in zip(past_lengths, fed)])[None].to(device)
+    keep = torch.cat([torch.arange(start + n - row.num_logits, start + n)
+                      for start, n, row in zip(starts, fed, rows)]).to(device)
     cache = lm.new_cache()
-    cache.layers = [_RaggedBatchLayer([row.kv.growing_layers[layer] for row in rows], fed, max(past_lengths))
+    cache.layers = [_RaggedBatchLayer([row.kv.growing_layers[layer] for row in rows], starts, fed, max(past_lengths))
                     for layer in range(len(rows[0].kv.cache.layers))]
-    # Logits for the window covering every row's last num_logits fed positions.
-    window = width - min(n - row.num_logits for n, row in zip(fed, rows))
     try:
         # A 4D mask skips transformers' mask building; the ragged attention masks each row itself.
-        logits = lm.forward_rows(ids, cache, window, position_ids=position_ids,
-                                 attention_mask=torch.ones((len(rows), 1, 1, 1), dtype=torch.bool, device=device))
+        logits = lm.forward_rows(ids, cache, keep, position_ids=position_ids,
+                                 attention_mask=torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device))
     except BaseException:
         for row, past in zip(rows, past_lengths):  # layers the pass reached grew: roll every row back
             row.kv.rollback_to(past)
         raise
     out = []
-    for i, (row, n) in enumerate(zip(rows, fed)):
-        end = n - (width - window)
-        out.append(logits[i, end - row.num_logits : end])
+    first = 0
+    for row in rows:
+        out.append(logits[0, first : first + row.num_logits])
+        first += row.num_logits
         row.kv.cached_tokens = list(row.tokens)
     return out
 
 
 class RaggedKV:
     """A batched pass's keys (or values) for one layer: row i's own [1, heads, length_i, dim], of
-    which the last ``fed[i]`` positions are the row's new tokens."""
+    which the last ``fed[i]`` positions are the row's new tokens, fed at ``starts[i]`` of the
+    packed sequence."""
 
-    def __init__(self, rows: list[torch.Tensor], fed: list[int]) -> None:
+    def __init__(self, rows: list[torch.Tensor], starts: list[int], fed: list[int]) -> None:
         self.rows = rows
+        self.starts = starts
         self.fed = fed
 
 
@@ -97,26 +105,27 @@ def _ragged_layer_base():
 
 
 class _RaggedBatchLayer(_ragged_layer_base()):
-    """A cache layer for one batched pass: appends each row's fed keys/values to that session's own
-    layer and hands attention every row's full keys/values."""
+    """A cache layer for one batched pass: appends each row's fed keys/values (its slice of the
+    packed sequence) to that session's own layer and hands attention every row's full keys/values."""
 
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, layers, fed: list[int], past: int) -> None:
+    def __init__(self, layers, starts: list[int], fed: list[int], past: int) -> None:
         super().__init__()
         self.is_initialized = True
         self.layers = layers
+        self.starts = starts
         self.fed = fed
         self.past = past
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         keys, values = [], []
-        for i, (layer, n) in enumerate(zip(self.layers, self.fed)):
-            k, v = layer.update(key_states[i : i + 1, :, :n], value_states[i : i + 1, :, :n])
+        for layer, start, n in zip(self.layers, self.starts, self.fed):
+            k, v = layer.update(key_states[:, :, start : start + n], value_states[:, :, start : start + n])
             keys.append(k)
             values.append(v)
-        return RaggedKV(keys, self.fed), RaggedKV(values, self.fed)
+        return RaggedKV(keys, self.starts, self.fed), RaggedKV(values, self.starts, self.fed)
 
     def get_seq_length(self) -> int:
         return self.past
@@ -135,25 +144,25 @@ class _RaggedBatchLayer(_ragged_layer_base()):
 
 
 def _ragged_sdpa_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """transformers' SDPA attention; for ``RaggedKV`` (a batched pass), SDPA row by row over each
-    row's own keys, causal over its fed tokens. Padding queries get zeros (never read)."""
+    """transformers' SDPA attention; for ``RaggedKV`` (a batched pass over a packed sequence), SDPA
+    row by row: each row's queries over that row's own keys, causal over its fed tokens."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if not isinstance(key, RaggedKV):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    rows, heads, width, dim = query.shape
+    _, heads, total_fed, dim = query.shape
     groups = heads // key.rows[0].shape[1]  # query heads per key/value head (GQA)
-    out = query.new_zeros((rows, width, heads, dim))
-    for i, (k, v, n) in enumerate(zip(key.rows, value.rows, key.fed)):
+    out = query.new_empty((1, total_fed, heads, dim))
+    for k, v, start, n in zip(key.rows, value.rows, key.starts, key.fed):
         if n == 1:  # decoding: the group's query heads become queries of their shared key/value head
-            q = query[i : i + 1, :, :1].reshape(1, heads // groups, groups, dim)
-            out[i, 0] = sdpa(q, k, v, scale=scaling).reshape(heads, dim)
+            q = query[:, :, start : start + 1].reshape(1, heads // groups, groups, dim)
+            out[0, start] = sdpa(q, k, v, scale=scaling).reshape(heads, dim)
             continue
         total = k.shape[2]  # query j sees the cached prefix and fed tokens 0..j
         mask = torch.ones((n, total), dtype=torch.bool, device=query.device).tril(total - n)
-        row = sdpa(query[i : i + 1, :, :n], k, v, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
-        out[i, :n] = row[0].transpose(0, 1)
+        row = sdpa(query[:, :, start : start + n], k, v, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
+        out[0, start : start + n] = row[0].transpose(0, 1)
     return out, None
 
 

@@ -49,6 +49,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specdec.costs import FORWARD_CURVE_PREFIX, measure_forward_curve
+
 log = logging.getLogger(__name__)
 
 BUILTIN_PROMPTS = {
@@ -59,7 +61,7 @@ SYSTEM_KINDS = ("spec", "spec-k=N", "spec-ahead", "spec-noahead", "baseline", "i
 DEFAULT_GATEWAY_SYSTEMS = "spec,baseline"
 DEFAULT_LOCAL_SYSTEMS = "inprocess,baseline,hf"
 VERIFY_CURVE_TOKENS = 16  # the target's forward is timed over 1..16 tokens (k = 0..15)
-VERIFY_CURVE_PREFIX = 64  # tokens of KV prefix in front of the timed forwards
+VERIFY_CURVE_PREFIX = FORWARD_CURVE_PREFIX  # tokens of KV prefix in front of the timed forwards
 WARMUP_TOKENS = 4
 # Per-position acceptance feeds the bound only where that position was drafted this often; deeper
 # positions use the pooled per-token alpha (deep positions are drafted mostly in easy stretches).
@@ -678,46 +680,11 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 # -- models and measurements ----------------------------------------------------------------------
-def monotone_non_decreasing(values: Sequence[float]) -> list[float]:
-    """Least-squares non-decreasing fit (pool adjacent violators): a verify cost cannot fall as k grows."""
-    blocks: list[list[float]] = []  # [sum, count]
-    for v in values:
-        blocks.append([float(v), 1.0])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-    out: list[float] = []
-    for total, count in blocks:
-        out.extend([total / count] * int(count))
-    return out
-
-
 def measure_verify_curve(target, max_tokens: int = VERIFY_CURVE_TOKENS, prefix: int = VERIFY_CURVE_PREFIX,
                          reps: int = 5) -> list[float]:
     """Seconds of the target's forward over n = 1..max_tokens tokens after a KV prefix; element k
-    is t_verify(k) (k drafts + the pending token).
-
-    Each rep sweeps every n (so a burst of load from other processes hits all sizes alike); the
-    minimum over reps is kept (load only ever adds time) and the curve is made non-decreasing.
-    """
-    from specdec.kv import KVSession
-
-    vocab = max(2, min(target.vocab_size, 1000))
-    rng = random.Random(0)
-    prefix_ids = [rng.randrange(1, vocab) for _ in range(prefix)]
-    session = KVSession(target)
-    session.forward(prefix_ids + [1, 2], 1)  # prefill, and warm the kernels for multi-token shapes
-    best = [math.inf] * max_tokens
-    for _ in range(reps):
-        for n in range(1, max_tokens + 1):
-            extra = [rng.randrange(1, vocab) for _ in range(n)]
-            session.rollback(prefix)
-            start = time.perf_counter()
-            session.forward(prefix_ids + extra, n)  # feeds only ``extra`` after the cached prefix
-            best[n - 1] = min(best[n - 1], time.perf_counter() - start)
-    session.close()
-    return monotone_non_decreasing(best)
+    is t_verify(k) (k drafts + the pending token). See ``specdec.costs.measure_forward_curve``."""
+    return measure_forward_curve(target, max_tokens, prefix, reps)
 
 
 def memory_roofline(target, t_step: float | None) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from specdec.completion import Chunk, CompletionBuilder
+from specdec.costs import measure_forward_curve
 from specdec.drafters import Drafter
 from specdec.engine import GenerationResult, LocalDrafter, LocalVerifier, generate
 from specdec.models import LoadedModel
@@ -24,6 +25,13 @@ class LocalEngine:
         self.memory = AcceptanceMemory()
         draft_model = getattr(getattr(drafter, "lm", None), "name", "")
         self.memory_key = AcceptanceMemory.make_key(drafter.name if drafter else "none", draft_model, target.name)
+        self._forward_curve: list[float] | None = None  # the target's, timed before the first adaptive session
+
+    def forward_curve(self) -> list[float]:
+        """The target's forward cost over 1..max_draft_tokens + 1 tokens, as a verifier reports it."""
+        if self._forward_curve is None:
+            self._forward_curve = measure_forward_curve(self.target, self.max_draft_tokens + 1, reps=3)
+        return self._forward_curve
 
     async def stream(
         self,
@@ -34,8 +42,10 @@ class LocalEngine:
     ) -> AsyncIterator[Chunk | GenerationResult]:
         params.validate()
         params = with_random_seed(params)
-        policy = policy or make_policy(num_draft_tokens, memory=self.memory, key=self.memory_key,
-                                       max_k=self.max_draft_tokens)
+        if policy is None:
+            curve = self.forward_curve() if num_draft_tokens == 0 and self.drafter is not None else None
+            policy = make_policy(num_draft_tokens, memory=self.memory, key=self.memory_key,
+                                 max_k=self.max_draft_tokens, forward_curve=curve)
         target_session = TargetSession(self.target, prompt_ids, params)
         draft_session = self.drafter.start(prompt_ids, params) if self.drafter else None
         try:

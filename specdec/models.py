@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import json
@@ -161,6 +162,11 @@ class LoadedModel:
         self.head_token_ids = ids.to(self.device)
         self._head_weight = weight.detach()[self.head_token_ids].contiguous()
 
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """``tokenizer_fingerprint`` of this model's tokenizer (hashing 49k tokens takes ~100 ms: once)."""
+        return tokenizer_fingerprint(self.tokenizer)
+
     @property
     def logits_width(self) -> int:
         return int(self.model.get_output_embeddings().weight.shape[0])
@@ -194,24 +200,26 @@ class LoadedModel:
         return self.forward_rows(ids, cache, num_logits)[0]
 
     @torch.inference_mode()
-    def forward_rows(self, ids: torch.Tensor, cache, num_logits: int, position_ids: torch.Tensor | None = None,
+    def forward_rows(self, ids: torch.Tensor, cache, keep: int | torch.Tensor, position_ids: torch.Tensor | None = None,
                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """One forward over ``ids`` [B, N] after ``cache``; fp32 logits [B, num_logits, V] (CPU) of the
-        last ``num_logits`` columns. Batched passes give per-row ``position_ids`` and a 4D mask
-        (which makes transformers skip building its own)."""
+        """One forward over ``ids`` [B, N] after ``cache``; fp32 logits (CPU) [B, keep, V] of the last
+        ``keep`` columns, or [B, len(keep), V] of the columns a 1-D index tensor ``keep`` names.
+        Batched passes give per-row ``position_ids`` and a 4D mask (which makes transformers skip
+        building its own)."""
         kwargs = {self._cache_kwarg: cache, "use_cache": True}
         if position_ids is not None:
             kwargs["position_ids"] = position_ids
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
+        columns = slice(-keep, None) if isinstance(keep, int) else keep
         if self.head_token_ids is not None:
-            hidden = self.model.base_model(input_ids=ids, **kwargs).last_hidden_state[:, -num_logits:]
+            hidden = self.model.base_model(input_ids=ids, **kwargs).last_hidden_state[:, columns]
             reduced = hidden @ self._head_weight.T
             logits = torch.full((*reduced.shape[:2], self.logits_width), -torch.inf, device=self.device)
             logits[..., self.head_token_ids] = reduced.float()
             return logits.cpu()
-        logits = self.model(input_ids=ids, logits_to_keep=num_logits, **kwargs).logits
-        return logits[:, -num_logits:].float().cpu()
+        logits = self.model(input_ids=ids, logits_to_keep=keep, **kwargs).logits
+        return (logits[:, -keep:] if isinstance(keep, int) else logits).float().cpu()
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):

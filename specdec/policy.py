@@ -24,8 +24,10 @@ import math
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+
+from specdec.costs import extend_curve, isotonic
 
 
 @dataclass(frozen=True)
@@ -249,24 +251,6 @@ class AcceptanceEstimator:
         self.pos_trials = [t * scale for t in state.get("pos_trials", [])][: self.max_positions]
 
 
-def _isotonic(values: list[float], weights: list[float]) -> list[float]:
-    """Weighted non-decreasing least-squares fit (pool adjacent violators)."""
-    if all(a <= b for a, b in zip(values, values[1:])):
-        return list(values)
-    blocks: list[list[float]] = []  # [sum w*y, sum w, count]
-    for y, w in zip(values, weights):
-        blocks.append([y * w, w, 1])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            b = blocks.pop()
-            blocks[-1][0] += b[0]
-            blocks[-1][1] += b[1]
-            blocks[-1][2] += b[2]
-    out: list[float] = []
-    for s, w, c in blocks:
-        out.extend([s / w] * int(c))
-    return out
-
-
 def _weighted_slope(xs: list[float], ys: list[float], ws: list[float]) -> float | None:
     sw = sum(ws)
     if sw <= 0:
@@ -290,12 +274,20 @@ class VerifyCostModel:
     interpolates linearly between seen k and extrapolates beyond them with the line's slope
     (>= 0; with a single seen k, ``prior_slope`` times its cost per token). A k measured often
     keeps its own mean, so a curve that is flat and then steps up is represented as measured.
+
+    With the verifier's measured ``forward_curve`` (seconds of its forward over k + 1 tokens,
+    ``costs.measure_forward_curve``), all of the above applies to what the round costs on top of
+    the forward (round trip, queueing, the work around the pass), and the curve is that plus the
+    forward: the shape in k comes from the verifier's own timing, not from a handful of noisy
+    rounds (pooling a noisy k = 0 mean with k = 1 would otherwise make a draft token look free).
     """
 
-    def __init__(self, decay: float = 0.95, prior_slope: float = 0.03, line_weight: float = 2.0) -> None:
+    def __init__(self, decay: float = 0.95, prior_slope: float = 0.03, line_weight: float = 2.0,
+                 forward_curve: Sequence[float] | None = None) -> None:
         self.decay = decay
         self.prior_slope = prior_slope
         self.line_weight = line_weight
+        self.forward_curve = [float(t) for t in forward_curve] if forward_curve else None
         self.means: dict[int, float] = {}
         self.weights: dict[int, float] = {}
         self._cache: tuple[int, list[float]] | None = None
@@ -312,19 +304,27 @@ class VerifyCostModel:
     def empty(self) -> bool:
         return not self.means
 
+    def forward(self, k: int) -> float:
+        """The verifier's measured forward over k + 1 tokens (0 without a curve)."""
+        return extend_curve(self.forward_curve, k) if self.forward_curve else 0.0
+
+    def _residuals(self) -> tuple[list[int], list[float], list[float]]:
+        ks = sorted(self.means)
+        return ks, [self.means[k] - self.forward(k) for k in ks], [self.weights[k] for k in ks]
+
     def line(self) -> tuple[float, float] | None:
-        """(intercept, slope) of the weighted least-squares line through the per-k means."""
+        """(intercept, slope) of the weighted least-squares line through the per-k means (with a
+        forward curve: through what they cost beyond the forward)."""
         if not self.means:
             return None
-        ks = sorted(self.means)
-        ws = [self.weights[k] for k in ks]
-        ms = [self.means[k] for k in ks]
+        ks, ys, ws = self._residuals()
         sw = sum(ws)
         mk = sum(w * k for k, w in zip(ks, ws)) / sw
-        my = sum(w * m for m, w in zip(ms, ws)) / sw
-        slope = _weighted_slope([float(k) for k in ks], ms, ws)
+        my = sum(w * y for y, w in zip(ys, ws)) / sw
+        slope = _weighted_slope([float(k) for k in ks], ys, ws)
         if slope is None:
-            slope = self.prior_slope * my / (1.0 + self.prior_slope * mk)
+            # One k seen: the forward curve carries the shape; without one, the prior does.
+            slope = 0.0 if self.forward_curve else self.prior_slope * my / (1.0 + self.prior_slope * mk)
         slope = max(0.0, slope)
         return my - slope * mk, slope
 
@@ -335,25 +335,25 @@ class VerifyCostModel:
         if self._cache is not None and self._cache[0] >= k_max:
             return self._cache[1][: k_max + 1]
         intercept, slope = self.line()
-        ks = sorted(self.means)
-        ws = [self.weights[k] for k in ks]
+        ks, residuals, ws = self._residuals()
         w0 = self.line_weight
-        shrunk = [(w * self.means[k] + w0 * (intercept + slope * k)) / (w + w0) for k, w in zip(ks, ws)]
-        ys = _isotonic(shrunk, ws)
+        shrunk = [(w * r + w0 * (intercept + slope * k)) / (w + w0) for k, r, w in zip(ks, residuals, ws)]
+        ys = isotonic(shrunk, ws)
         lo_k, lo_y, hi_k, hi_y = ks[0], ys[0], ks[-1], ys[-1]
+        lo_total = lo_y + self.forward(lo_k)
         top = max(k_max, hi_k)
         out: list[float] = []
         j = 0
         for k in range(top + 1):
             if k <= lo_k:
-                y = max(lo_y - slope * (lo_k - k), 0.5 * lo_y)
+                y = max(lo_y - slope * (lo_k - k) + self.forward(k), 0.5 * lo_total)
             elif k >= hi_k:
-                y = hi_y + slope * (k - hi_k)
+                y = hi_y + slope * (k - hi_k) + self.forward(k)
             else:
                 while ks[j + 1] < k:
                     j += 1
                 k0, k1 = ks[j], ks[j + 1]
-                y = ys[j] + (ys[j + 1] - ys[j]) * (k - k0) / (k1 - k0)
+                y = ys[j] + (ys[j + 1] - ys[j]) * (k - k0) / (k1 - k0) + self.forward(k)
             out.append(y)
         self._cache = (top, out)
         return out[: k_max + 1]
@@ -596,9 +596,13 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         explore_every: every this many k > 0 rounds use a neighbouring k (k +/- 1, alternating)
             so the draft overhead / per-token split and the verify curve stay identifiable;
             done more often (every 3rd round) while the draft cost model has no spread in k.
-        info_margin: k = 0 is chosen only if it beats the best k >= 1 by more than this
-            fraction (drafting keeps measuring acceptance; k = 0 learns nothing).
+        draft_margin: a k >= 1 is chosen only if its rate beats k = 0 by more than this fraction
+            (a near tie goes to plain decoding: the model leaves out costs of drafting it cannot
+            see per round, such as the drafter's catch-up after k = 0 rounds and its CPU beside
+            the verifier's on a shared machine; probes keep acceptance measured).
         warm_trials, warm_cost_weight: caps on how much a memory warm start weighs.
+        forward_curve: the verifier's measured forward cost over k + 1 tokens (its
+            ``GetInfo.forward_cost_s``); the verify-cost model takes its shape in k from it.
     """
 
     name = "adaptive"
@@ -623,9 +627,10 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         probe_budget: float = 0.02,
         paid_probe_budget: float = 0.05,
         explore_every: int = 32,
-        info_margin: float = 0.05,
+        draft_margin: float = 0.0,
         warm_trials: float = 60.0,
         warm_cost_weight: float = 4.0,
+        forward_curve: Sequence[float] | None = None,
     ) -> None:
         if max_k < 0:
             raise ValueError("max_k must be >= 0")
@@ -647,8 +652,8 @@ class AdaptiveDraftLength(DraftLengthPolicy):
             change_threshold=change_threshold,
             up_threshold=up_threshold,
         )
-        self.info_margin = info_margin
-        self.verify = VerifyCostModel(decay=cost_decay)
+        self.draft_margin = draft_margin
+        self.verify = VerifyCostModel(decay=cost_decay, forward_curve=forward_curve)
         self.draft = DraftCostModel(decay=cost_decay)
         self.cost_decay = cost_decay
         self.co_batched = 0.0  # recent mean of other sessions sharing this session's verify passes
@@ -735,7 +740,7 @@ class AdaptiveDraftLength(DraftLengthPolicy):
             self._kind = "initial"
             return min(self.initial_k, bound)
         best = max(range(1, bound + 1), key=lambda k: (rates[k], -k))
-        if rates[best] < rates[0] * (1.0 - self.info_margin):
+        if rates[best] <= rates[0] * (1.0 + self.draft_margin):
             best = 0
         if best == 0:
             self.zero_run += 1
@@ -788,8 +793,12 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         self._catch_up = k == 0
         if self._kind == "probe":
             if n > 0:
-                self.probe_interval = self.base_probe_interval
-                self.zero_run = self.probe_interval  # probe again next round if k = 0 still wins
+                # Probe again at once (a real rise shows as successes in a row), but halve the
+                # interval rather than reset it: at a moderate alpha probes succeed often while
+                # k = 0 still wins, and a reset kept sessions probing every few rounds (a fifth
+                # of all rounds at alpha 0.37).
+                self.probe_interval = max(self.base_probe_interval, self.probe_interval // 2)
+                self.zero_run = self.probe_interval
             else:
                 self.probe_interval = min(2 * self.probe_interval, self.probe_interval_cap())
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from specdec import bench
+from specdec.costs import isotonic
 from specdec.cli import main as cli_main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -113,9 +114,9 @@ def test_bound_with_growing_verify_cost_and_positions():
 
 
 def test_monotone_verify_curve():
-    assert bench.monotone_non_decreasing([1.0, 3.0, 2.0, 4.0]) == pytest.approx([1.0, 2.5, 2.5, 4.0])
-    assert bench.monotone_non_decreasing([5.0, 1.0, 1.0, 1.0]) == pytest.approx([2.0] * 4)
-    assert bench.monotone_non_decreasing([1.0, 2.0]) == [1.0, 2.0]
+    assert isotonic([1.0, 3.0, 2.0, 4.0]) == pytest.approx([1.0, 2.5, 2.5, 4.0])
+    assert isotonic([5.0, 1.0, 1.0, 1.0]) == pytest.approx([2.0] * 4)
+    assert isotonic([1.0, 2.0]) == [1.0, 2.0]
 
 
 def test_fit_verify_cost_recovers_linear_model():

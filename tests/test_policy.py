@@ -328,6 +328,46 @@ def test_verify_curve_single_point_uses_the_prior_slope():
     assert curve[0] == pytest.approx(1.0, rel=0.02)
 
 
+def test_forward_curve_gives_the_verify_curve_its_shape():
+    # The verifier timed its forward: +6 ms for a second token, a step at 4 tokens.
+    forward = [0.050, 0.056, 0.058, 0.080, 0.082]
+    m = VerifyCostModel(forward_curve=forward)
+    for _ in range(30):
+        m.update(1, 0.066)  # round trip: 10 ms on top of the forward
+    for _ in range(2):
+        m.update(0, 0.070)  # two unlucky plain rounds
+    curve = m.curve(6)
+    # Without the forward curve the noisy k = 0 pools with k = 1 and a draft token looks free.
+    plain = VerifyCostModel()
+    for _ in range(30):
+        plain.update(1, 0.066)
+    for _ in range(2):
+        plain.update(0, 0.070)
+    assert plain.curve(1)[1] - plain.curve(1)[0] < 0.001
+    assert curve[1] - curve[0] == pytest.approx(0.006, abs=0.001)
+    assert curve[3] - curve[2] == pytest.approx(0.022, abs=0.002)  # the measured step, never seen in a round
+    assert curve[1] == pytest.approx(0.066, abs=0.002)
+    # Past the timed sizes: the last half's slope.
+    assert curve[6] > curve[4]
+
+
+def test_forward_curve_keeps_a_weak_draft_off():
+    """A draft accepting 15 % per token on a verifier whose k = 0 rounds happened to be slow:
+    with the measured forward curve the policy settles on plain decoding (probes aside)."""
+    forward = [0.050, 0.056, 0.062, 0.068, 0.074]
+
+    def verify_s(k):  # what the loop sees: forward + 10 ms round trip, k = 0 rounds unlucky (+8 ms)
+        return forward[min(k, 4)] + 0.010 + (0.008 if k == 0 else 0.0)
+
+    def run(curve):
+        return drive_costs(AdaptiveDraftLength(forward_curve=curve), 200, geometric(0.15, 1),
+                           draft_s=lambda k: 0.004 + 0.002 * k, verify_s=verify_s)
+
+    with_curve, without = run(forward), run(None)
+    assert with_curve[-100:].count(0) >= 70, with_curve[-100:]
+    assert without[-100:].count(0) < with_curve[-100:].count(0)
+
+
 def test_verify_curve_shrinks_rare_k_towards_the_line():
     m = VerifyCostModel()
     for _ in range(30):

@@ -81,6 +81,16 @@ def test_greedy_through_gateway_equals_target_only(stack, tiny_target, method):
         assert accepted > 0
 
 
+def test_verifier_reports_its_forward_cost_curve(stack):
+    """The verifier times its forward over 1..17 tokens at start-up; the gateway's policies build on it."""
+    with grpc.insecure_channel(stack.verifiers[0].address) as channel:
+        info = verifier_pb2_grpc.VerifierStub(channel).GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=5)
+    curve = list(info.forward_cost_s)
+    assert len(curve) == 17
+    assert all(t > 0 for t in curve)
+    assert all(b >= a for a, b in zip(curve, curve[1:]))  # non-decreasing by construction
+
+
 def test_chat_prompt_uses_template(stack, tiny_target):
     with GatewayClient(stack.gateway.address, timeout=60) as client:
         result = client.generate(messages=[("user", "hi")], max_new_tokens=4, ignore_eos=True)

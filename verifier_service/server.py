@@ -9,6 +9,7 @@ import time
 
 from specdec import telemetry
 from specdec.batching import BatchingOptions
+from specdec.costs import measure_forward_curve
 from specdec.models import LoadedModel, load_model
 from specdec.rpc import convert
 from specdec.rpc.server import NotReady, idle_guard, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
@@ -19,6 +20,8 @@ from specdec.verification import TargetSession, Verdict, verify_batch
 
 log = logging.getLogger("specdec.verifier")
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+FORWARD_CURVE_MAX_DRAFTS = 16  # the start-up timing covers k = 0..16 (the policy extends it beyond)
+FORWARD_CURVE_REPS = 3
 
 
 class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
@@ -27,6 +30,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
     def __init__(self, runtime: ServiceRuntime, **kwargs) -> None:
         super().__init__(runtime, **kwargs)
         self.lm: LoadedModel | None = None
+        self.forward_cost_s: list[float] = []  # measured at start-up; reported by GetInfo
 
     async def load(self, target: str, device: str | None = None) -> None:
         loop = asyncio.get_running_loop()
@@ -42,6 +46,11 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
         session.prefill()
         session.verify(DraftProposal([1, 2, 3]))
         session.close()
+        # The verify-cost curve the gateways' draft-length policies build on (seconds for k + 1 tokens).
+        sizes = min(self.max_draft_tokens, FORWARD_CURVE_MAX_DRAFTS) + 1
+        self.forward_cost_s = measure_forward_curve(self.lm, sizes, reps=FORWARD_CURVE_REPS)
+        log.info("forward cost over 1..%d tokens: %s ms", sizes,
+                 " ".join(f"{t * 1e3:.1f}" for t in self.forward_cost_s))
 
     def _require_model(self) -> LoadedModel:
         if self.lm is None:
@@ -132,6 +141,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
         return verifier_pb2.GetVerifierInfoResponse(
             model=convert.model_info_pb(lm),
             load=types_pb2.LoadReport(active_sessions=len(self.sessions), max_sessions=self.sessions.max_sessions),
+            forward_cost_s=self.forward_cost_s,
         )
 
 

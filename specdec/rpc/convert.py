@@ -7,7 +7,7 @@ import torch
 from specdec.batching import BatchInfo
 from specdec.completion import FINISH_LENGTH, FINISH_STOP
 from specdec.engine import GenerationStats
-from specdec.models import LoadedModel, tokenizer_fingerprint
+from specdec.models import LoadedModel
 from specdec.sampling import DEFAULT_DRAFT_TOP_K, DraftProposal, SamplingParams, SparseDistribution
 from specdec.v1 import gateway_pb2, types_pb2
 from specdec.verification import Verdict
@@ -127,7 +127,7 @@ def stats_from_pb(pb: gateway_pb2.GenerationStats) -> dict:
 def model_info_pb(lm: LoadedModel) -> types_pb2.ModelInfo:
     return types_pb2.ModelInfo(
         model=lm.name,
-        tokenizer_fingerprint=tokenizer_fingerprint(lm.tokenizer),
+        tokenizer_fingerprint=lm.fingerprint,
         vocab_size=lm.vocab_size,
         max_positions=lm.max_positions,
         eos_token_ids=list(lm.eos_token_ids),

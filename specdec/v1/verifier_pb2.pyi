@@ -62,12 +62,14 @@ class GetVerifierInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetVerifierInfoResponse(_message.Message):
-    __slots__ = ("model", "load")
+    __slots__ = ("model", "load", "forward_cost_s")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_COST_S_FIELD_NUMBER: _ClassVar[int]
     model: _types_pb2.ModelInfo
     load: _types_pb2.LoadReport
-    def __init__(self, model: _Optional[_Union[_types_pb2.ModelInfo, _Mapping]] = ..., load: _Optional[_Union[_types_pb2.LoadReport, _Mapping]] = ...) -> None: ...
+    forward_cost_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, model: _Optional[_Union[_types_pb2.ModelInfo, _Mapping]] = ..., load: _Optional[_Union[_types_pb2.LoadReport, _Mapping]] = ..., forward_cost_s: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class CancelVerifyRequest(_message.Message):
     __slots__ = ("session_id",)
