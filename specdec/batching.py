@@ -207,7 +207,7 @@ class BatchingOptions:
     # passes forever instead of sharing them. 0: take only what queued while the last pass ran.
     max_wait_s: float = 0.005
     max_batch_tokens: int = 256
-    max_row_tokens: int = 32  # longer jobs (prefills) run alone: padding every row to them wastes work
+    max_row_tokens: int = 32  # longer jobs (prefills) run alone: decoding sessions do not wait for them
 
 
 @dataclass
@@ -223,7 +223,7 @@ class BatchScheduler:
 
     A pass takes the oldest pending job and, while under ``max_batch_size`` jobs and
     ``max_batch_tokens`` tokens, the next ones; a job over ``max_row_tokens`` (a long prefill) runs
-    alone, because padding every row to its length would multiply the pass's work. Jobs that arrive
+    alone, so that the decoding sessions' short pass does not take its length. Jobs that arrive
     while a pass runs wait for the next one (continuous batching). While fewer jobs are queued than
     ``expected()`` sessions are open, a pass waits up to ``max_wait_s`` for theirs to arrive (the
     bound on the latency batching adds); a long job does not wait. ``run_batch(jobs)`` returns one

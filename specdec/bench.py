@@ -435,8 +435,10 @@ def run_conversation(runner: Runner, system: str, conv: Conversation, index: int
 
 
 def run_system(runner: Runner, system: str, conversations: list[Conversation], cfg,
-               progress: bool = True) -> tuple[list[RequestRecord], float]:
-    """Every conversation through ``runner``; returns the records and the wall time (s)."""
+               progress: bool = True, indices: Sequence[int] | None = None) -> tuple[list[RequestRecord], float]:
+    """Every conversation through ``runner``; returns the records and the wall time (s).
+    ``indices``: each conversation's place in the whole prompt list (its requests' seeds)."""
+    indices = list(range(len(conversations))) if indices is None else list(indices)
     from tqdm.auto import tqdm
 
     total = sum(len(c.turns) for c in conversations)
@@ -457,7 +459,7 @@ def run_system(runner: Runner, system: str, conversations: list[Conversation], c
     t0 = time.perf_counter()
 
     def job(i: int) -> None:
-        results[i] = run_conversation(runner, system, conversations[i], i, cfg, t0, done)
+        results[i] = run_conversation(runner, system, conversations[i], indices[i], cfg, t0, done)
 
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(conversations)))) as pool:
         futures = []
@@ -782,6 +784,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--net-delay-ms yourself)")
     p.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=False,
                    help="with --up: the gateway's default for draft-ahead (systems spec-ahead/spec-noahead force it)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="interleave the systems: split the prompts into this many rounds and run every system "
+                        "on each round, in alternating order (ratios between systems then resist a machine whose "
+                        "speed drifts during the run); capped at conversations / concurrency")
     p.add_argument("--no-warmup", action="store_true", help="skip the one short warm-up request per system")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -805,6 +811,8 @@ def validate_args(args) -> None:
         raise ValueError("--threads must be >= 1")
     if args.net_delay < 0:
         raise ValueError("--net-delay must be >= 0")
+    if args.rounds < 1:
+        raise ValueError("--rounds must be >= 1")
     if args.up and (args.local or args.gateway):
         raise ValueError("--up starts its own gateway: not with --local or --gateway")
 
@@ -865,6 +873,41 @@ def start_local_stack(args):
     return stack, stack.__enter__()
 
 
+def effective_rounds(rounds: int, conversations: int, concurrency: int | None) -> int:
+    """--rounds, capped so that every round keeps ``concurrency`` conversations in flight."""
+    per_round = concurrency if isinstance(concurrency, int) and concurrency > 0 else 1
+    return max(1, min(rounds, conversations // per_round))
+
+
+def _gateway_client(spec: SystemSpec, gateway_address: str | None, args):
+    """The gateway client, opened for the first gateway system (None for local systems)."""
+    if spec.kind != "gateway":
+        return None
+    from specdec.client import GatewayClient
+
+    return GatewayClient(gateway_address, timeout=args.timeout)
+
+
+def _make_runner(spec: SystemSpec, client, models: "ModelCache", first: Conversation, args) -> Runner:
+    """The runner of one system, warmed up with one short request (unless --no-warmup)."""
+    if spec.kind == "gateway":
+        runner: Runner = GatewayRunner(client, spec.method, spec.num_draft_tokens, spec.draft_ahead)
+    elif spec.kind == "local":
+        drafter = models.drafter() if spec.method != "none" else None
+        runner = LocalRunner(models.target(), drafter, spec.num_draft_tokens)
+    else:
+        runner = HFRunner(models.target(), models.draft() if spec.assisted else None)
+    if not args.no_warmup:
+        try:
+            runner.generate(messages=[("user", first.turns[0])] if first.chat else None,
+                            prompt=None if first.chat else first.turns[0],
+                            max_new_tokens=min(WARMUP_TOKENS, args.max_new_tokens),
+                            temperature=args.temperature, seed=args.seed)
+        except Exception as exc:  # noqa: BLE001 - the measured requests will show it
+            log.warning("%s: warm-up failed: %s", spec.name, describe_error(exc))
+    return runner
+
+
 def run_bench(args) -> dict:
     """Run the benchmark described by ``args`` (the ``bench`` subcommand's namespace); returns the summary."""
     from specdec.models import default_draft_model
@@ -890,35 +933,34 @@ def run_bench(args) -> dict:
     all_records: dict[str, list[RequestRecord]] = {}
     summaries: dict[str, dict] = {}
     progress = not args.no_progress
+    runners: dict[str, Runner] = {}
+    durations: dict[str, float] = {}
     try:
         for spec in systems:
             if spec.assisted and not args.draft_model:
                 skipped[spec.name] = "skipped: hf-assisted needs --draft-model (assisted generation with the same draft)"
                 log.warning("%s", skipped[spec.name])
-                continue
-            if spec.kind == "gateway":
-                if client is None:
-                    from specdec.client import GatewayClient
-
-                    client = GatewayClient(gateway_address, timeout=args.timeout)
-                runner: Runner = GatewayRunner(client, spec.method, spec.num_draft_tokens, spec.draft_ahead)
-            elif spec.kind == "local":
-                drafter = models.drafter() if spec.method != "none" else None
-                runner = LocalRunner(models.target(), drafter, spec.num_draft_tokens)
-            else:
-                runner = HFRunner(models.target(), models.draft() if spec.assisted else None)
-            if not args.no_warmup:
-                first = conversations[0]
-                try:
-                    runner.generate(messages=[("user", first.turns[0])] if first.chat else None,
-                                    prompt=None if first.chat else first.turns[0],
-                                    max_new_tokens=min(WARMUP_TOKENS, args.max_new_tokens),
-                                    temperature=args.temperature, seed=args.seed)
-                except Exception as exc:  # noqa: BLE001 - the measured requests will show it
-                    log.warning("%s: warm-up failed: %s", spec.name, describe_error(exc))
-            records, duration = run_system(runner, spec.name, conversations, args, progress)
-            all_records[spec.name] = records
-            summary = summarize_records(records, duration)
+        measured = [spec for spec in systems if spec.name not in skipped]
+        # Interleaved rounds: conversation i belongs to round i % R; each round runs every system,
+        # in reverse order every other round (A B, B A, ...), so a machine that slows down or speeds
+        # up during the run weighs on all systems alike instead of on whichever ran last.
+        rounds = effective_rounds(args.rounds, len(conversations), args.concurrency)
+        for r in range(rounds):
+            block = list(range(r, len(conversations), rounds))
+            for spec in measured if r % 2 == 0 else measured[::-1]:
+                if spec.name not in runners:
+                    client = client or _gateway_client(spec, gateway_address, args)
+                    runners[spec.name] = _make_runner(spec, client, models, conversations[0], args)
+                label = spec.name if rounds == 1 else f"{spec.name} {r + 1}/{rounds}"
+                records, duration = run_system(runners[spec.name], label, [conversations[i] for i in block],
+                                               args, progress, indices=block)
+                for record in records:
+                    record.system = spec.name
+                all_records.setdefault(spec.name, []).extend(records)
+                durations[spec.name] = durations.get(spec.name, 0.0) + duration
+        for spec in measured:
+            records = all_records[spec.name]
+            summary = summarize_records(records, durations[spec.name])
             summary["kind"] = {"gateway": "gateway", "local": "in-process loop", "hf": "transformers"}[spec.kind]
             if spec.kind != "hf":
                 summary["num_draft_tokens"] = spec.num_draft_tokens
@@ -954,6 +996,7 @@ def run_bench(args) -> dict:
             "concurrency": args.concurrency,
             "request_rate": args.request_rate,
             "systems": [s.name for s in systems],
+            "rounds": effective_rounds(args.rounds, len(conversations), args.concurrency),
             "net_delay_ms": args.net_delay,
             "net_delay_injected": (stack is not None or getattr(args, "stack_started", False)) and args.net_delay > 0,
             "draft_ahead_default": args.draft_ahead if stack is not None or getattr(args, "stack_started", False) else None,

@@ -129,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1")
     _add_dtype_flag(up)
     up.add_argument("--port", type=int, default=50051, help="gateway port; drafter +1, verifier +2")
+    up.add_argument("--drafter-nice", type=int, default=5,
+                    help="niceness added to the drafter process: on one machine the verifier is the shared "
+                         "bottleneck, so where the two compete for cores (the drafter's prefill beside the "
+                         "verifier's, other sessions' drafts) the verifier goes first (0: equal)")
 
     bench = sub.add_parser("bench", help="benchmark spec decoding vs baselines (gateway or --local)")
     from specdec.bench import add_arguments as _add_bench_arguments
@@ -357,6 +361,8 @@ def _up(args) -> int:
     procs = {}
     for name, cmd in commands.items():
         procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        if name == "drafter" and args.drafter_nice:
+            os.setpriority(os.PRIO_PROCESS, procs[name].pid, os.getpriority(os.PRIO_PROCESS, 0) + args.drafter_nice)
         threading.Thread(target=_pump, args=(f"[{name:8}]", procs[name].stdout), daemon=True).start()
     print(f"[up      ] gateway will listen on {host}:{gateway_port}", flush=True)
     stop = threading.Event()

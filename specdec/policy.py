@@ -715,13 +715,15 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         }
 
     def probe_interval_cap(self) -> int:
-        """Longest backoff: a probe's extra cost spread over the k = 0 rounds between probes
-        stays within ``probe_budget`` of their time (so never probing could gain at most that)."""
+        """Longest backoff: a probe's extra cost (to this session and, through its longer pass, to
+        the sessions batched with it) spread over the k = 0 rounds between probes stays within
+        ``probe_budget`` of their time (so never probing could gain at most that)."""
         cap = self.max_probe_interval
         budget = self.paid_probe_budget if self.paid else self.probe_budget
         vcurve = self.verify.curve(self.probe_k)
         if vcurve is not None and budget > 0 and vcurve[0] > 0:
-            extra = vcurve[self.probe_k] - vcurve[0] + self.draft.predict(self.probe_k)
+            # What a probe adds to this session's round, and to the co-batched sessions' pass.
+            extra = (1.0 + self.co_batched) * (vcurve[self.probe_k] - vcurve[0]) + self.draft.predict(self.probe_k)
             if extra <= 0:
                 extra = 0.1 * vcurve[0]  # prior: a draft token costs a tenth of a target step
             cap = min(cap, math.ceil(extra / (budget * vcurve[0])))

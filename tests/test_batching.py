@@ -29,9 +29,24 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 NEW_TOKENS = 40
 
 
-def test_batched_forward_matches_each_session_alone(tiny_target):
-    """Ragged pasts, ragged new tokens, rollbacks, fresh sessions and several logits per row: each
-    row's logits and resulting cache are what the session's own forward gives."""
+@pytest.fixture(scope="module")
+def tiny_reduced_head(tiny_pair):
+    """The tiny target with an FR-Spec reduced head (as the shipped draft has): logits for a third of
+    the ids, -inf elsewhere."""
+    from specdec.models import load_model
+
+    lm = load_model(str(tiny_pair[1]), device="cpu")
+    lm.restrict_head(list(range(0, lm.logits_width, 3)))
+    return lm
+
+
+@pytest.mark.parametrize("head", ["full", "reduced"])
+def test_batched_forward_matches_each_session_alone(head, tiny_target, tiny_reduced_head):
+    """Ragged pasts, ragged new tokens (packed into one sequence), rollbacks, fresh sessions and
+    several logits per row: each row's logits and resulting cache are what the session's own
+    forward gives, with the full LM head and with a reduced one."""
+    if head == "reduced":
+        tiny_target = tiny_reduced_head
     rng = random.Random(0)
     vocab = tiny_target.vocab_size
     sequences = [[rng.randrange(vocab) for _ in range(n)] for n in (5, 17, 1, 40, 9)]

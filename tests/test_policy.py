@@ -368,6 +368,18 @@ def test_forward_curve_keeps_a_weak_draft_off():
     assert without[-100:].count(0) < with_curve[-100:].count(0)
 
 
+def test_probes_back_off_further_when_they_lengthen_a_shared_pass():
+    """A probe's extra verify time is paid by every session in its pass: with 7 co-batched sessions
+    the probe interval may grow further than alone (same acceptance, same costs)."""
+    caps = {}
+    for batch in (1, 8):
+        p = AdaptiveDraftLength()
+        drive_costs(p, 60, lambda k, i: 0, draft_s=lambda k: 0.004 + 0.002 * k,
+                    verify_s=lambda k: 0.100 + 0.010 * k, batch_size=batch)
+        caps[batch] = p.probe_interval_cap()
+    assert caps[8] > 2 * caps[1], caps
+
+
 def test_verify_curve_shrinks_rare_k_towards_the_line():
     m = VerifyCostModel()
     for _ in range(30):
