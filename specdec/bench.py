@@ -61,7 +61,6 @@ SYSTEM_KINDS = ("spec", "spec-k=N", "spec-ahead", "spec-noahead", "baseline", "i
 DEFAULT_GATEWAY_SYSTEMS = "spec,baseline"
 DEFAULT_LOCAL_SYSTEMS = "inprocess,baseline,hf"
 VERIFY_CURVE_TOKENS = 16  # the target's forward is timed over 1..16 tokens (k = 0..15)
-VERIFY_CURVE_PREFIX = FORWARD_CURVE_PREFIX  # tokens of KV prefix in front of the timed forwards
 WARMUP_TOKENS = 4
 # Per-position acceptance feeds the bound only where that position was drafted this often; deeper
 # positions use the pooled per-token alpha (deep positions are drafted mostly in easy stretches).
@@ -682,13 +681,6 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 # -- models and measurements ----------------------------------------------------------------------
-def measure_verify_curve(target, max_tokens: int = VERIFY_CURVE_TOKENS, prefix: int = VERIFY_CURVE_PREFIX,
-                         reps: int = 5) -> list[float]:
-    """Seconds of the target's forward over n = 1..max_tokens tokens after a KV prefix; element k
-    is t_verify(k) (k drafts + the pending token). See ``specdec.costs.measure_forward_curve``."""
-    return measure_forward_curve(target, max_tokens, prefix, reps)
-
-
 def memory_roofline(target, t_step: float | None) -> dict:
     """The target's single-token step against the memory-bandwidth bound: every weight is read once
     per forward, so the step cannot beat weight bytes / bandwidth (measured here by streaming a
@@ -710,7 +702,7 @@ def memory_roofline(target, t_step: float | None) -> dict:
 
 def measure_draft_cost(draft, reps: int = 7) -> float:
     """Seconds of the draft model's one-token forward after a KV prefix (minimum over reps)."""
-    return measure_verify_curve(draft, max_tokens=1, reps=reps)[0]
+    return measure_forward_curve(draft, 1, reps=reps)[0]
 
 
 def machine_info(device: str | None = None) -> dict:
@@ -888,7 +880,7 @@ def _gateway_client(spec: SystemSpec, gateway_address: str | None, args):
     return GatewayClient(gateway_address, timeout=args.timeout)
 
 
-def _make_runner(spec: SystemSpec, client, models: "ModelCache", first: Conversation, args) -> Runner:
+def _make_runner(spec: SystemSpec, client, models: ModelCache, first: Conversation, args) -> Runner:
     """The runner of one system, warmed up with one short request (unless --no-warmup)."""
     if spec.kind == "gateway":
         runner: Runner = GatewayRunner(client, spec.method, spec.num_draft_tokens, spec.draft_ahead)
@@ -935,6 +927,7 @@ def run_bench(args) -> dict:
     progress = not args.no_progress
     runners: dict[str, Runner] = {}
     durations: dict[str, float] = {}
+    rounds = effective_rounds(args.rounds, len(conversations), args.concurrency)
     try:
         for spec in systems:
             if spec.assisted and not args.draft_model:
@@ -944,7 +937,6 @@ def run_bench(args) -> dict:
         # Interleaved rounds: conversation i belongs to round i % R; each round runs every system,
         # in reverse order every other round (A B, B A, ...), so a machine that slows down or speeds
         # up during the run weighs on all systems alike instead of on whichever ran last.
-        rounds = effective_rounds(args.rounds, len(conversations), args.concurrency)
         for r in range(rounds):
             block = list(range(r, len(conversations), rounds))
             for spec in measured if r % 2 == 0 else measured[::-1]:
@@ -996,7 +988,7 @@ def run_bench(args) -> dict:
             "concurrency": args.concurrency,
             "request_rate": args.request_rate,
             "systems": [s.name for s in systems],
-            "rounds": effective_rounds(args.rounds, len(conversations), args.concurrency),
+            "rounds": rounds,
             "net_delay_ms": args.net_delay,
             "net_delay_injected": (stack is not None or getattr(args, "stack_started", False)) and args.net_delay > 0,
             "draft_ahead_default": args.draft_ahead if stack is not None or getattr(args, "stack_started", False) else None,
@@ -1083,9 +1075,9 @@ def compute_bound(args, summaries: dict, all_records: dict, models: ModelCache) 
             source = f"gateway stats: least squares verify_s = a*rounds + b*drafts (a={a * 1e3:.2f} ms, b={b * 1e3:.2f} ms)"
     if t_verify is None:
         try:
-            t_verify = measure_verify_curve(models.target())
+            t_verify = measure_forward_curve(models.target(), VERIFY_CURVE_TOKENS)
             source = (f"local measurement: target forward over 1..{VERIFY_CURVE_TOKENS} tokens after a "
-                      f"{VERIFY_CURVE_PREFIX}-token KV prefix (minimum of 5 sweeps, made non-decreasing)")
+                      f"{FORWARD_CURVE_PREFIX}-token KV prefix (minimum of 5 sweeps, made non-decreasing)")
         except Exception as exc:  # noqa: BLE001 - no local target: no bound
             out["note"] = f"no verify-cost curve: {describe_error(exc)}"
             return out

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from specdec import bench
-from specdec.costs import isotonic
 from specdec.cli import main as cli_main
+from specdec.costs import isotonic
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
