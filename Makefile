@@ -30,19 +30,34 @@ up: setup
 sim: setup
 	$(VENV)/bin/specdec sim
 
-# The recipe of the shipped draft (specdec/drafts/smollm2-135m-draft/README.md): the target answers
-# offline prompts, then follow-up turns, then the draft is distilled and exported. Resumable: rerun
-# to continue. TRAIN_DIR holds the data and checkpoints; GEN_BATCHES caps the first-turn data.
+# The recipe of the shipped draft (specdec/drafts/smollm2-135m-draft/README.md), in two stages. Stage 1:
+# the target answers offline prompts (then follow-up turns) and a draft is distilled from scratch.
+# Stage 2: more answers to prompts stage 1 never used (bfloat16, --exclude), and the stage-1 draft
+# trains on everything, held out on the new data only. Resumable: rerun to continue. TRAIN_DIR holds
+# the data and checkpoints; the *_BATCHES and *_MINUTES knobs size each step.
 TRAIN_DIR ?= distill-work
 GEN_BATCHES ?= 41
 FOLLOW_UP_BATCHES ?= 4
 TRAIN_MINUTES ?= 55
+GEN2_BATCHES ?= 26
+FOLLOW_UP2_BATCHES ?= 6
+TRAIN2_MINUTES ?= 60
+SPECDEC_DISTILL = $(VENV)/bin/specdec train-draft
 train-draft: setup
-	$(VENV)/bin/specdec train-draft data --out $(TRAIN_DIR)/data --prompts 6000 --batch-size 64 --max-batches $(GEN_BATCHES)
-	$(VENV)/bin/specdec train-draft data --out $(TRAIN_DIR)/follow-ups --follow-ups-from $(TRAIN_DIR)/data \
-		--prompts 2000 --batch-size 64 --max-batches $(FOLLOW_UP_BATCHES) --seed 1
-	$(VENV)/bin/specdec train-draft train --data $(TRAIN_DIR)/data --data $(TRAIN_DIR)/follow-ups \
-		--out $(TRAIN_DIR)/train --max-minutes $(TRAIN_MINUTES) --export $(TRAIN_DIR)/draft
+	$(SPECDEC_DISTILL) data --out $(TRAIN_DIR)/data --prompts 6000 --batch-size 64 --max-batches $(GEN_BATCHES) \
+		--dtype float32
+	$(SPECDEC_DISTILL) data --out $(TRAIN_DIR)/follow-ups --follow-ups-from $(TRAIN_DIR)/data \
+		--prompts 2000 --batch-size 64 --max-batches $(FOLLOW_UP_BATCHES) --seed 1 --dtype float32
+	$(SPECDEC_DISTILL) train --data $(TRAIN_DIR)/data --data $(TRAIN_DIR)/follow-ups \
+		--out $(TRAIN_DIR)/train --max-minutes $(TRAIN_MINUTES) --dtype float32 --export $(TRAIN_DIR)/draft-stage1
+	$(SPECDEC_DISTILL) data --out $(TRAIN_DIR)/data2 --prompts 12000 --batch-size 128 --max-batches $(GEN2_BATCHES) \
+		--exclude $(TRAIN_DIR)/data
+	$(SPECDEC_DISTILL) data --out $(TRAIN_DIR)/follow-ups2 --follow-ups-from $(TRAIN_DIR)/data --prompts 2400 \
+		--batch-size 128 --max-batches $(FOLLOW_UP2_BATCHES) --seed 2 --exclude $(TRAIN_DIR)/follow-ups
+	$(SPECDEC_DISTILL) train --data $(TRAIN_DIR)/data --data $(TRAIN_DIR)/follow-ups --data $(TRAIN_DIR)/data2 \
+		--data $(TRAIN_DIR)/follow-ups2 --holdout-from $(TRAIN_DIR)/data2 --holdout-from $(TRAIN_DIR)/follow-ups2 \
+		--holdout 96 --init-from $(TRAIN_DIR)/draft-stage1 --lr 1e-3 --warmup 50 --steps 10000 \
+		--out $(TRAIN_DIR)/train2 --max-minutes $(TRAIN2_MINUTES) --export $(TRAIN_DIR)/draft
 
 protos: setup
 	$(PY) -m specdec.protogen

@@ -72,6 +72,11 @@ def _first_user_message(rendered: str) -> str:
     return rendered[start + len("<|im_start|>user\n"):end] if start >= 0 and end > start else rendered
 
 
+def answered_prompts(directories: list[Path]) -> set[tuple[int, ...]]:
+    return {tuple(r["prompt_ids"]) for directory in directories for shard in sorted(directory.glob("shard-*.pt"))
+            for r in torch.load(shard, weights_only=False)}
+
+
 def plan_batches(prompts: list[TrainingPrompt], tokenizer, batch_size: int, max_prompt_tokens: int,
                  encoded: list | None = None):
     """Batches of similar prompt length (less padding), in the prompts' shuffled order by window."""
@@ -134,6 +139,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--follow-ups-from", type=Path, default=None,
                    help="second turns: follow-up requests after the target's own answers in these shards")
+    p.add_argument("--exclude", type=Path, action="append", default=[],
+                   help="skip prompts already answered in these shard directories (to grow a data set)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="the target's weights while generating: bfloat16 is ~3.7x faster on CPUs with AMX "
+                        "(measured: 262 tok/s at batch 128 vs 70 float32 at batch 64); top-K differ only near ties")
     args = p.parse_args(argv)
     from tqdm import tqdm
 
@@ -141,13 +151,18 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    lm = load_model(args.target, device="cpu")
+    lm = load_model(args.target, device="cpu", dtype=getattr(torch, args.dtype))
     if args.follow_ups_from:
         encoded = follow_up_prompts(args.follow_ups_from, lm.tokenizer, args.prompts, args.seed)
         batches = plan_batches([], lm.tokenizer, args.batch_size, args.max_prompt_tokens + 256, encoded)
     else:
         prompts = build_prompts(args.prompts, seed=args.seed)
         batches = plan_batches(prompts, lm.tokenizer, args.batch_size, args.max_prompt_tokens)
+    if args.exclude:
+        done = answered_prompts(args.exclude)
+        encoded = [item for batch in batches for item in batch if tuple(item[1]) not in done]
+        print(f"{sum(map(len, batches)) - len(encoded)} prompts already answered in {', '.join(map(str, args.exclude))}")
+        batches = plan_batches([], lm.tokenizer, args.batch_size, 1 << 30, encoded)
     if args.max_batches is not None:
         batches = batches[: args.max_batches]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,110 @@
+"""The draft-distillation recipe end to end on the tiny target: the target's answers with its top-K,
+growing the data without repeating prompts, training that resumes, export, continuing from an export,
+and an exported draft that keeps greedy output identical."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from specdec.distill import generate, train
+from specdec.drafters import ModelDrafter
+from specdec.engine import collect, run_sync
+from specdec.local import LocalEngine
+from specdec.models import HEAD_TOKEN_IDS_FILE, check_compatible, load_model
+from specdec.sampling import SamplingParams
+from tests.test_greedy_equality import hf_greedy
+
+TOP_K = 32
+
+
+def _generate(target_dir, out, *extra: str) -> None:
+    assert generate.main([
+        "--out", str(out), "--target", str(target_dir), "--prompts", "60", "--batch-size", "8",
+        "--max-new-tokens", "12", "--sampled-every", "3", "--top-k", str(TOP_K), "--threads", "1",
+        "--dtype", "float32", *extra,
+    ]) == 0
+
+
+def _shard_records(directory) -> list[dict]:
+    return [r for shard in sorted(directory.glob("shard-*.pt")) for r in torch.load(shard, weights_only=False)]
+
+
+def test_target_answers_carry_its_top_k_and_growing_the_data_skips_answered_prompts(tiny_pair, tmp_path):
+    _, target_dir, _ = tiny_pair
+    data, more = tmp_path / "data", tmp_path / "more"
+    _generate(target_dir, data, "--max-batches", "3")
+    records = _shard_records(data)
+    assert len(records) == 24
+    assert {r["temperature"] for r in records} == {0.0, 0.7}  # every third batch samples
+    for record in records:
+        n = len(record["output_ids"])
+        assert record["topk_ids"].shape == (n, TOP_K) and record["topk_logprobs"].shape == (n, TOP_K)
+        assert bool((record["topk_logprobs"][:, :-1] >= record["topk_logprobs"][:, 1:]).all())
+        if record["temperature"] == 0.0 and n:  # greedy text is the recorded distribution's top token
+            assert record["output_ids"] == record["topk_ids"][:, 0].tolist()
+
+    _generate(target_dir, more, "--max-batches", "2", "--exclude", str(data))
+    assert len(_shard_records(more)) == 16
+    assert not generate.answered_prompts([data]) & generate.answered_prompts([more])
+
+
+def _train_args(target_dir, data, out, steps: int, *extra: str) -> list[str]:
+    return ["--data", str(data), "--out", str(out), "--target", str(target_dir), "--hidden", "32", "--layers", "1",
+            "--intermediate", "64", "--heads", "2", "--kv-heads", "1", "--head-tokens", "200", "--steps", str(steps),
+            "--token-budget", "256", "--holdout", "4", "--eval-every", "4", "--warmup", "2", "--lr", "1e-2",
+            "--threads", "1", *extra]
+
+
+def test_training_resumes_exports_a_draft_that_keeps_greedy_output_and_continues_from_it(
+        tiny_pair, tiny_target, tmp_path, capsys):
+    _, target_dir, _ = tiny_pair
+    data, work, export = tmp_path / "data", tmp_path / "work", tmp_path / "draft"
+    _generate(target_dir, data, "--max-batches", "4")
+
+    assert train.main(_train_args(target_dir, data, work, 6)) == 0
+    assert train.main(_train_args(target_dir, data, work, 12, "--export", str(export))) == 0
+    assert "resumed at step 6" in capsys.readouterr().out
+    log = [json.loads(line) for line in (work / "train_log.jsonl").read_text().splitlines()]
+    assert [entry["step"] for entry in log] == list(range(1, 13))
+    assert sum(e["kd"] for e in log[-3:]) < sum(e["kd"] for e in log[:3])  # it learns the target
+    assert (work / "best" / "eval.json").exists()
+
+    draft = load_model(str(export), device="cpu")
+    check_compatible(tiny_target, draft)
+    head = json.loads((export / HEAD_TOKEN_IDS_FILE).read_text())
+    assert draft.head_token_ids is not None and draft.head_token_ids.tolist() == head
+    assert json.loads((export / "config.json").read_text())["dtype"] == "float16"  # shipped in half precision
+    prompt = tiny_target.tokenizer("the quick brown fox")["input_ids"]
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    result = run_sync(collect(LocalEngine(tiny_target, ModelDrafter(draft)).stream(prompt, params, num_draft_tokens=4)))
+    assert result.token_ids == hf_greedy(tiny_target, prompt, 24)
+
+    # Continuing from an export keeps its head (its weights only fit those ids) and starts a new schedule.
+    again = tmp_path / "again"
+    assert train.main(_train_args(target_dir, data, again, 2, "--init-from", str(export), "--dtype", "float32")) == 0
+    assert json.loads((again / HEAD_TOKEN_IDS_FILE).read_text()) == head
+    assert [json.loads(line)["step"] for line in (again / "train_log.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_held_out_records_come_only_from_the_named_directories(tmp_path):
+    import random
+
+    import pytest
+
+    def shard(directory, source, count):
+        directory.mkdir()
+        torch.save([{"source": source, "prompt_ids": [i], "output_ids": [i, i]} for i in range(count)],
+                   directory / "shard-00000.pt")
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    shard(old, "old", 30)
+    shard(new, "new", 10)
+    held, training = train.split_records([old, new], 4, [new], random.Random(0))
+    assert [r["source"] for r in held] == ["new"] * 4
+    assert len(training) == 36 and sum(r["source"] == "new" for r in training) == 6
+    held, training = train.split_records([old, new], 4, [], random.Random(0))
+    assert len(held) == 4 and len(training) == 36
+    with pytest.raises(SystemExit, match="not among --data"):
+        train.split_records([old], 4, [new], random.Random(0))
