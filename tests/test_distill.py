@@ -108,3 +108,25 @@ def test_held_out_records_come_only_from_the_named_directories(tmp_path):
     assert len(held) == 4 and len(training) == 36
     with pytest.raises(SystemExit, match="not among --data"):
         train.split_records([old], 4, [new], random.Random(0))
+
+
+def test_positions_whose_top_k_lies_outside_the_draft_head_stay_out_of_the_loss(tiny_pair):
+    """Seen in a real run: a new answer whose top-32 held no id of the (earlier) reduced head made the
+    renormalised teacher 0/0, and one NaN loss broke the weights."""
+    from transformers import AutoModelForCausalLM
+
+    _, _, draft_dir = tiny_pair
+    model = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
+    vocab = model.config.vocab_size
+    head_ids = torch.arange(0, vocab // 2)
+    position_of = torch.full((vocab,), -1, dtype=torch.long)
+    position_of[head_ids] = torch.arange(len(head_ids))
+    inside = torch.arange(0, 4, dtype=torch.int32)
+    outside = torch.arange(vocab - 4, vocab, dtype=torch.int32)  # none of them in the head
+    record = {"prompt_ids": [5, 6, 7], "output_ids": [1, vocab - 1, 2],
+              "topk_ids": torch.stack([inside, outside, inside + 2]),
+              "topk_logprobs": torch.log_softmax(torch.tensor([[3.0, 2.0, 1.0, 0.0]] * 3), -1).half()}
+    loss, info = train.batch_loss(model, [record], head_ids, position_of, 0.2, 1.0, torch.Generator().manual_seed(0))
+    assert torch.isfinite(loss) and info["kd"] > 0
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

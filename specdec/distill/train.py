@@ -132,7 +132,11 @@ def batch_loss(model, batch: list[dict], head_ids: torch.Tensor, position_of: to
     answer_hidden = hidden[torch.cat(answer_rows), torch.cat(answer_cols)]
     logq = F.log_softmax((answer_hidden @ head.T).float(), dim=-1)
     teacher_rows = position_of[torch.cat(soft_ids)]  # -1 where the head lacks the token
-    teacher_logprobs = torch.cat(soft_logprobs).masked_fill(teacher_rows < 0, float("-inf"))
+    # A position whose whole top-K lies outside the head has nothing the draft could propose (its
+    # renormalised teacher would be 0/0): it stays out of the loss.
+    in_head = (teacher_rows >= 0).any(-1)
+    logq, teacher_rows = logq[in_head], teacher_rows[in_head]
+    teacher_logprobs = torch.cat(soft_logprobs)[in_head].masked_fill(teacher_rows < 0, float("-inf"))
     teacher = torch.softmax(teacher_logprobs, dim=-1)  # renormalised top-K within the head
     kd = -(teacher * logq.gather(1, teacher_rows.clamp(min=0))).sum(-1).mean()
     top1 = teacher_rows[:, 0]
@@ -269,6 +273,7 @@ def main(argv=None) -> int:
     start = time.monotonic() - elapsed_before
     model.train()
     bar = tqdm(total=args.steps, initial=step, desc="distilling draft", unit="step")
+    skipped_in_a_row = 0
     while step < args.steps:
         if not batches:
             batches = make_batches(train, args.token_budget, epoch_rng)
@@ -278,6 +283,13 @@ def main(argv=None) -> int:
             group["lr"] = lr
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
             loss, info = batch_loss(model, batch, head_ids, position_of, args.prompt_weight, args.prompt_fraction, generator)
+        if not torch.isfinite(loss):  # one bad batch must not poison the weights: skip it, say so
+            skipped_in_a_row += 1
+            bar.write(f"step {step + 1}: non-finite loss, batch skipped")
+            if skipped_in_a_row >= 10:
+                raise SystemExit("10 batches in a row gave a non-finite loss: the weights are broken")
+            continue
+        skipped_in_a_row = 0
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
