@@ -40,8 +40,8 @@ GEN_BATCHES ?= 41
 FOLLOW_UP_BATCHES ?= 4
 TRAIN_MINUTES ?= 55
 GEN2_BATCHES ?= 26
-FOLLOW_UP2_BATCHES ?= 6
-TRAIN2_MINUTES ?= 60
+FOLLOW_UP2_BATCHES ?= 5
+TRAIN2_MINUTES ?= 45
 SPECDEC_DISTILL = $(VENV)/bin/specdec train-draft
 train-draft: setup
 	$(SPECDEC_DISTILL) data --out $(TRAIN_DIR)/data --prompts 6000 --batch-size 64 --max-batches $(GEN_BATCHES) \

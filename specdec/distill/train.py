@@ -204,7 +204,7 @@ def main(argv=None) -> int:
                         "schedule, e.g. after growing the data; its head ids are kept so its weights still fit")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="matmul precision (autocast; weights and optimizer stay float32): bfloat16 measured "
-                        "~1.5x faster per step on this CPU")
+                        "~1.2x faster per step on this CPU (A/B over 12 steps each: 1.87 vs 2.23 s)")
     args = p.parse_args(argv)
     from tqdm import tqdm
     from transformers import LlamaForCausalLM
