@@ -5,10 +5,13 @@ and an exported draft that keeps greedy output identical."""
 from __future__ import annotations
 
 import json
+import random
 
+import pytest
 import torch
 
 from specdec.distill import generate, train
+from specdec.distill.generate import read_shards
 from specdec.drafters import ModelDrafter
 from specdec.engine import collect, run_sync
 from specdec.local import LocalEngine
@@ -27,15 +30,11 @@ def _generate(target_dir, out, *extra: str) -> None:
     ]) == 0
 
 
-def _shard_records(directory) -> list[dict]:
-    return [r for shard in sorted(directory.glob("shard-*.pt")) for r in torch.load(shard, weights_only=False)]
-
-
 def test_target_answers_carry_its_top_k_and_growing_the_data_skips_answered_prompts(tiny_pair, tmp_path):
     _, target_dir, _ = tiny_pair
     data, more = tmp_path / "data", tmp_path / "more"
     _generate(target_dir, data, "--max-batches", "3")
-    records = _shard_records(data)
+    records = read_shards(data)
     assert len(records) == 24
     assert {r["temperature"] for r in records} == {0.0, 0.7}  # every third batch samples
     for record in records:
@@ -46,7 +45,7 @@ def test_target_answers_carry_its_top_k_and_growing_the_data_skips_answered_prom
             assert record["output_ids"] == record["topk_ids"][:, 0].tolist()
 
     _generate(target_dir, more, "--max-batches", "2", "--exclude", str(data))
-    assert len(_shard_records(more)) == 16
+    assert len(read_shards(more)) == 16
     assert not generate.answered_prompts([data]) & generate.answered_prompts([more])
 
 
@@ -89,10 +88,6 @@ def test_training_resumes_exports_a_draft_that_keeps_greedy_output_and_continues
 
 
 def test_held_out_records_come_only_from_the_named_directories(tmp_path):
-    import random
-
-    import pytest
-
     def shard(directory, source, count):
         directory.mkdir()
         torch.save([{"source": source, "prompt_ids": [i], "output_ids": [i, i]} for i in range(count)],

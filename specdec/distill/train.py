@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.distill.evaluate import accepted_lengths, mean_accepted_length
+from specdec.distill.generate import read_shards
 
 
 def draft_config(target_config, hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int):
@@ -65,10 +66,7 @@ def frequent_tokens(records: list[dict], size: int, vocab_size: int, always: lis
 
 
 def load_records(data_dir: Path) -> list[dict]:
-    records = []
-    for shard in sorted(data_dir.glob("shard-*.pt")):
-        records.extend(torch.load(shard, weights_only=False))
-    return [r for r in records if r["output_ids"]]
+    return [r for r in read_shards(data_dir) if r["output_ids"]]
 
 
 def split_records(directories: list[Path], holdout: int, holdout_from: list[Path],
@@ -220,8 +218,16 @@ def main(argv=None) -> int:
     print(f"{len(train)} training records ({answer_tokens} answer tokens), {len(holdout)} held out")
 
     target = load_model(args.target, device="cpu")
-    config = draft_config(target.model.config, args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads)
-    model = LlamaForCausalLM.from_pretrained(args.init_from, dtype=torch.float32) if args.init_from else LlamaForCausalLM(config)
+    head_ids = None
+    if args.init_from:  # its weights only fit its own head ids: keep them
+        from specdec.models import HEAD_TOKEN_IDS_FILE
+
+        model = LlamaForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+        head_ids = torch.tensor(json.loads((args.init_from / HEAD_TOKEN_IDS_FILE).read_text()), dtype=torch.long)
+    else:
+        model = LlamaForCausalLM(draft_config(target.model.config, args.hidden, args.layers, args.intermediate,
+                                              args.heads, args.kv_heads))
+    config = model.config
     checkpoint = args.out / "checkpoint.pt"
     optimizer = torch.optim.AdamW(
         [{"params": [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n], "weight_decay": 0.01},
@@ -237,11 +243,7 @@ def main(argv=None) -> int:
         print(f"resumed at step {step}")
     elif not args.init_from:
         init_from_target(model, target.model)
-    if args.init_from:
-        from specdec.models import HEAD_TOKEN_IDS_FILE
-
-        head_ids = torch.tensor(json.loads((args.init_from / HEAD_TOKEN_IDS_FILE).read_text()), dtype=torch.long)
-    else:
+    if head_ids is None:
         head_ids = frequent_tokens(train, args.head_tokens, config.vocab_size, list(target.eos_token_ids))
     position_of = torch.full((config.vocab_size,), -1, dtype=torch.long)
     position_of[head_ids] = torch.arange(len(head_ids))
