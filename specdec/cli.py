@@ -367,6 +367,8 @@ def _up(args) -> int:
     print(f"[up      ] gateway will listen on {host}:{gateway_port}", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # Also when started in the background, where the shell leaves SIGINT ignored.
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         while not stop.is_set() and all(p.poll() is None for p in procs.values()):
             time.sleep(0.2)

@@ -65,8 +65,8 @@ class Service:
 
 
 def start_service(role: str, args: list[str], log_dir: Path, name: str | None = None,
-                  metrics: bool = False, env: dict | None = None) -> Service:
-    port = free_port()
+                  metrics: bool = False, env: dict | None = None, port: int | None = None) -> Service:
+    port = port or free_port()
     metrics_port = free_port() if metrics else None
     name = name or role
     log_path = log_dir / f"{name}.log"

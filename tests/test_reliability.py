@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from specdec.client import AsyncGatewayClient, ChunkEvent, FinalEvent, GatewayClient, build_request
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc, types_pb2
-from tests.harness import start_stack
+from tests.harness import start_service, start_stack
 from tests.test_services import active_sessions, reference_greedy
 from tests.tiny_models import build_noisy_copy
 
@@ -329,3 +329,22 @@ def test_idle_sessions_are_reaped_and_late_cancels_are_not_found(tiny_pair, tmp_
         assert verifier.proc.poll() is None
     finally:
         verifier.stop()
+
+
+def test_second_service_on_a_taken_port_exits_with_a_clear_error(tiny_pair, tmp_path):
+    # gRPC binds with SO_REUSEPORT by default: a second verifier would share the port silently and
+    # the kernel would split the gateway's connections between two models.
+    args = ["--method", "ngram", "--draft-model", str(tiny_pair[0])]
+    first = start_service("drafter", args, tmp_path, name="first")
+    second = None
+    try:
+        first.wait_serving()
+        port = int(first.address.rsplit(":", 1)[1])
+        second = start_service("drafter", args, tmp_path, name="second", port=port)
+        assert second.proc.wait(timeout=120) != 0
+        assert f"cannot listen on 127.0.0.1:{port}" in second.log()
+        assert first.proc.poll() is None
+    finally:
+        for service in (first, second):
+            if service is not None:
+                service.stop()

@@ -175,7 +175,10 @@ class ServiceRuntime:
         self.service_name = service_name  # fully qualified, e.g. "specdec.v1.Verifier"
         self.options = options
         interceptors = [ApiKeyInterceptor(list(options.api_keys))] if options.api_keys else []
-        self.server = grpc.aio.server(options=channel_options(options.max_message_bytes), interceptors=interceptors)
+        # No SO_REUSEPORT (gRPC's default on Linux): a second server on a taken port would otherwise
+        # bind silently and the kernel would split connections between the two.
+        self.server = grpc.aio.server(options=[*channel_options(options.max_message_bytes), ("grpc.so_reuseport", 0)],
+                                      interceptors=interceptors)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.registry = CollectorRegistry()
@@ -190,10 +193,18 @@ class ServiceRuntime:
         )
         address = f"{self.options.host}:{self.options.port}"
         tls = self.options.tls
-        if tls is not None and tls.enabled:
-            self.port = self.server.add_secure_port(address, tls.server_credentials())
+        try:
+            if tls is not None and tls.enabled:
+                self.port = self.server.add_secure_port(address, tls.server_credentials())
+            else:
+                self.port = self.server.add_insecure_port(address)
+        except RuntimeError as exc:
+            self.port = 0
+            cause = exc
         else:
-            self.port = self.server.add_insecure_port(address)
+            cause = None
+        if not self.port:
+            raise SystemExit(f"{self.service_name}: cannot listen on {address} (in use?): {cause or 'bind failed'}")
         await self.server.start()
         await self.set_serving(False)
         await _maybe_await(self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING))
