@@ -105,6 +105,8 @@ class RemoteDrafter:
     are delayed side by side, as on a real link.
     """
 
+    concurrent = True  # the drafter service drafts while the verifier verifies
+
     def __init__(self, stub, session_id: str, prompt_ids: list[int], params: SamplingParams,
                  timeout: float | None, metadata=None, draft_top_k: int = 0, net_delay_s: float = 0.0) -> None:
         self.call = stub.Draft(timeout=timeout, metadata=metadata)

@@ -28,6 +28,10 @@ class VerifierLink(Protocol):
 
 
 class DrafterLink(Protocol):
+    # True when proposals are drafted elsewhere (another process or machine), so one can be in
+    # flight while a verification is: what shadow probes need.
+    concurrent: bool
+
     async def propose(self, committed: list[int], num_draft_tokens: int) -> DraftProposal:
         """``committed``: tokens committed since the previous call (first call: none)."""
         ...
@@ -61,6 +65,8 @@ class GenerationStats:
     per_position_drafted: list[int] = field(default_factory=list)
     per_position_accepted: list[int] = field(default_factory=list)
     k_history: list[int] = field(default_factory=list)
+    shadow_probes: int = 0  # probes drafted beside plain rounds and scored against the committed tokens
+    shadow_accepted: int = 0  # ... their drafts that matched
     ttft_s: float = 0.0
     total_s: float = 0.0
     draft_s: float = 0.0
@@ -132,11 +138,38 @@ class GenerationStats:
             "total_s": self.total_s,
             "draft_s": self.draft_s,
             "verify_s": self.verify_s,
+            "shadow_probes": self.shadow_probes,
+            "shadow_accepted": self.shadow_accepted,
             "ahead_blocks": self.ahead_blocks,
             "ahead_hits": self.ahead_hits,
             "mean_batch_size": self.mean_batch_size,
             "verify_queue_wait_s": self.verify_queue_wait_s,
         }
+
+
+@dataclass
+class ShadowProbe:
+    """A probe drafted while a plain round verifies, scored against what the target then commits.
+
+    Under greedy decoding a draft token is accepted exactly when it equals the target's token, and
+    the committed tokens are the target's: the leading drafts that match them are what verifying
+    the probe would have accepted, learned without making the session wait for the drafter.
+    """
+
+    task: asyncio.Future  # the drafter's proposal
+    start: int  # index in the committed tokens of the first token the proposal predicts
+
+    def outcome(self, committed: list[int]) -> tuple[int, int] | None:
+        """(drafted, accepted) once the proposal is back and enough tokens are committed to decide."""
+        if not self.task.done():
+            return None
+        drafts = self.task.result().draft_tokens
+        for i, token in enumerate(drafts):
+            if self.start + i >= len(committed):
+                return None
+            if committed[self.start + i] != token:
+                return len(drafts), i
+        return len(drafts), len(drafts)
 
 
 @dataclass
@@ -175,6 +208,7 @@ async def generate(
     max_context: int | None = None,
     on_round: Callable[[RoundRecord], None] | None = None,
     draft_ahead: bool = False,
+    shadow_probes: bool = True,
 ) -> AsyncIterator[Chunk | GenerationResult]:
     """Run one generation; yields ``Chunk``s as tokens commit, then one ``GenerationResult``.
 
@@ -182,59 +216,84 @@ async def generate(
     loop itself never depends on it). ``draft_ahead`` (with an ``AheadDrafterLink``): the drafter
     drafts the next block while each verification is in flight; when the verdict commits exactly
     what that block assumed, the block is verified at once (no drafting round trip).
+    ``shadow_probes`` (greedy requests without draft-ahead): a probe the policy asks for is drafted
+    beside a plain round and scored against the tokens the target commits (``ShadowProbe``), so
+    measuring acceptance while drafting does not pay never makes the session wait for the drafter.
     """
     stats = GenerationStats(draft_method=draft_method if drafter is not None else "none")
     draft_ahead = draft_ahead and drafter is not None and hasattr(drafter, "take_ahead")
+    shadow_probes = (shadow_probes and drafter is not None and getattr(drafter, "concurrent", False)
+                     and not draft_ahead and completion.params.greedy)
     start = time.perf_counter()
     verdict = await verifier.prefill()
     stats.ttft_s = time.perf_counter() - start
     chunk = completion.add(verdict.tokens)
     yield chunk
     pending = list(verdict.tokens)  # committed but not yet told to the drafter
+    committed = list(verdict.tokens)  # everything committed so far (scores shadow probes)
+    shadow: ShadowProbe | None = None
     length = verdict.committed_length
-    while not completion.finished:
-        remaining = completion.params.max_new_tokens - len(completion.token_ids)
-        # The verification always commits one token beyond the drafts.
-        max_k = remaining - 1
-        if max_context is not None:
-            max_k = min(max_k, max_context - length - 1)
-        k = policy.choose(max(0, max_k)) if drafter is not None else 0
-        proposal = DraftProposal()
-        t0 = time.perf_counter()
-        if draft_ahead and k > 0:
-            # (With k = 0 the block stays on the stream; the next proposal discards it.)
-            block = await drafter.take_ahead()
-            if block is not None:
-                stats.ahead_blocks += 1
-                assumed, ahead = block
-                if k > 0 and len(ahead) > 0 and list(verdict.tokens) == assumed:
-                    proposal = ahead.prefix(k)
-                    stats.ahead_hits += 1
-                    await drafter.continue_ahead(pending, len(proposal), k)
-                    pending = []
-        if k > 0 and len(proposal) == 0:
-            if draft_ahead:
-                proposal = await drafter.propose(pending, k, ahead_tokens=k)
-            else:
-                proposal = await drafter.propose(pending, k)
-            pending = []
-        t1 = time.perf_counter()
-        verdict = await verifier.verify(proposal)
-        t2 = time.perf_counter()
-        chunk = completion.add(verdict.tokens)
-        pending.extend(verdict.tokens)
-        length = verdict.committed_length
-        drafted = len(proposal)
-        stats.draft_s += t1 - t0
-        stats.verify_s += t2 - t1
-        stats.record_round(drafted, verdict, len(chunk.token_ids))
-        if on_round is not None:
-            emitted = len(chunk.token_ids)
-            on_round(RoundRecord(stats.rounds, k, drafted, min(verdict.num_accepted, emitted), emitted,
-                                 t1 - t0, t2 - t1, t0))
-        policy.observe(RoundObservation(drafted, verdict.num_accepted, t1 - t0, t2 - t1,
-                                        verdict.batch.size if verdict.batch is not None else 0))
-        yield chunk
+    try:
+        while not completion.finished:
+            remaining = completion.params.max_new_tokens - len(completion.token_ids)
+            # The verification always commits one token beyond the drafts.
+            max_k = remaining - 1
+            if max_context is not None:
+                max_k = min(max_k, max_context - length - 1)
+            k = policy.choose(max(0, max_k)) if drafter is not None else 0
+            proposal = DraftProposal()
+            t0 = time.perf_counter()
+            if shadow_probes and k > 0 and policy.probing and shadow is None:
+                policy.start_shadow_probe()
+                shadow = ShadowProbe(asyncio.ensure_future(drafter.propose(pending, k)), len(committed))
+                pending = []
+                k = 0
+            if k > 0 and shadow is not None:
+                await asyncio.wait([shadow.task])  # the drafter answers in order: the probe first
+            if draft_ahead and k > 0:
+                # (With k = 0 the block stays on the stream; the next proposal discards it.)
+                block = await drafter.take_ahead()
+                if block is not None:
+                    stats.ahead_blocks += 1
+                    assumed, ahead = block
+                    if k > 0 and len(ahead) > 0 and list(verdict.tokens) == assumed:
+                        proposal = ahead.prefix(k)
+                        stats.ahead_hits += 1
+                        await drafter.continue_ahead(pending, len(proposal), k)
+                        pending = []
+            if k > 0 and len(proposal) == 0:
+                if draft_ahead:
+                    proposal = await drafter.propose(pending, k, ahead_tokens=k)
+                else:
+                    proposal = await drafter.propose(pending, k)
+                pending = []
+            t1 = time.perf_counter()
+            verdict = await verifier.verify(proposal)
+            t2 = time.perf_counter()
+            chunk = completion.add(verdict.tokens)
+            pending.extend(verdict.tokens)
+            committed.extend(verdict.tokens)
+            length = verdict.committed_length
+            drafted = len(proposal)
+            stats.draft_s += t1 - t0
+            stats.verify_s += t2 - t1
+            stats.record_round(drafted, verdict, len(chunk.token_ids))
+            if on_round is not None:
+                emitted = len(chunk.token_ids)
+                on_round(RoundRecord(stats.rounds, k, drafted, min(verdict.num_accepted, emitted), emitted,
+                                     t1 - t0, t2 - t1, t0))
+            policy.observe(RoundObservation(drafted, verdict.num_accepted, t1 - t0, t2 - t1,
+                                            verdict.batch.size if verdict.batch is not None else 0))
+            outcome = shadow.outcome(committed) if shadow is not None else None
+            if outcome is not None:
+                policy.observe_shadow(*outcome)
+                stats.shadow_probes += 1
+                stats.shadow_accepted += outcome[1]
+                shadow = None
+            yield chunk
+    finally:
+        if shadow is not None and not shadow.task.done():
+            shadow.task.cancel()  # the session is over; the drafter's answer is not needed
     stats.total_s = time.perf_counter() - start
     stats.completion_tokens = len(completion.token_ids)
     yield GenerationResult(
@@ -261,6 +320,8 @@ class LocalVerifier:
 
 class LocalDrafter:
     """In-process drafter link over a ``DraftSession``."""
+
+    concurrent = False  # drafting blocks the loop: nothing to overlap
 
     def __init__(self, session: DraftSession) -> None:
         self.session = session

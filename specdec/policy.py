@@ -52,6 +52,20 @@ class DraftLengthPolicy(ABC):
     def close(self) -> None:
         """The session is over (adaptive policies report to their memory here)."""
 
+    @property
+    def probing(self) -> bool:
+        """The last ``choose`` asked for a probe: a few drafts only to measure acceptance."""
+        return False
+
+    def start_shadow_probe(self) -> None:
+        """The loop runs the probe just chosen beside a plain round instead (see ``observe_shadow``):
+        this round verifies no drafts."""
+
+    def observe_shadow(self, num_drafts: int, num_accepted: int) -> None:
+        """Outcome of a shadow probe: of ``num_drafts`` drafted, the leading ``num_accepted`` equal
+        what the target committed there (under greedy decoding exactly what verifying them would have
+        accepted)."""
+
 
 class FixedDraftLength(DraftLengthPolicy):
     name = "fixed"
@@ -673,6 +687,7 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         self._explore_sign = 1
         self._spec_rounds = 0
         self._catch_up = True  # the drafter has unseen tokens (session start, after k = 0 rounds)
+        self._shadow_pending = False  # a shadow probe's outcome is still to come
         self._closed = False
         self.paid = False  # speculation clearly paid earlier in this session
         self.paid_gain = 1.25
@@ -745,6 +760,9 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         if rates[best] <= rates[0] * (1.0 + self.draft_margin):
             best = 0
         if best == 0:
+            if self._shadow_pending:  # one probe at a time
+                self._kind = "zero"
+                return 0
             self.zero_run += 1
             if self.zero_run > self.probe_interval:
                 self.zero_run = 0
@@ -794,15 +812,33 @@ class AdaptiveDraftLength(DraftLengthPolicy):
                 self.draft.update(k, float(outcome.draft_s))
         self._catch_up = k == 0
         if self._kind == "probe":
-            if n > 0:
-                # Probe again at once (a real rise shows as successes in a row), but halve the
-                # interval rather than reset it: at a moderate alpha probes succeed often while
-                # k = 0 still wins, and a reset kept sessions probing every few rounds (a fifth
-                # of all rounds at alpha 0.37).
-                self.probe_interval = max(self.base_probe_interval, self.probe_interval // 2)
-                self.zero_run = self.probe_interval
-            else:
-                self.probe_interval = min(2 * self.probe_interval, self.probe_interval_cap())
+            self._probe_outcome(n)
+
+    def _probe_outcome(self, num_accepted: int) -> None:
+        if num_accepted > 0:
+            # Probe again at once (a real rise shows as successes in a row), but halve the
+            # interval rather than reset it: at a moderate alpha probes succeed often while
+            # k = 0 still wins, and a reset kept sessions probing every few rounds (a fifth
+            # of all rounds at alpha 0.37).
+            self.probe_interval = max(self.base_probe_interval, self.probe_interval // 2)
+            self.zero_run = self.probe_interval
+        else:
+            self.probe_interval = min(2 * self.probe_interval, self.probe_interval_cap())
+
+    @property
+    def probing(self) -> bool:
+        return self._kind == "probe"
+
+    def start_shadow_probe(self) -> None:
+        self._kind = "shadow"
+        self._shadow_pending = True
+
+    def observe_shadow(self, num_drafts: int, num_accepted: int) -> None:
+        k = max(0, int(num_drafts))
+        n = max(0, min(int(num_accepted), k))
+        self._shadow_pending = False
+        self.acceptance.update(k, n)  # costs stay as measured: the shadow's round verified no drafts
+        self._probe_outcome(n)
 
     def close(self) -> None:
         """Report this session's estimates to the memory (once)."""

@@ -7,16 +7,18 @@ and roll back many times (and still match). KV rollback keeps the accepted prefi
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
 import torch
 
 from specdec.drafters import ModelDrafter, NgramDrafter, ScriptedDrafter
-from specdec.engine import collect, run_sync
+from specdec.completion import CompletionBuilder
+from specdec.engine import LocalDrafter, LocalVerifier, collect, generate, run_sync
 from specdec.kv import KVSession
 from specdec.local import LocalEngine
-from specdec.policy import FixedDraftLength, RoundObservation
+from specdec.policy import DraftLengthPolicy, FixedDraftLength, RoundObservation
 from specdec.prompts import encode_chat
 from specdec.sampling import DraftProposal, SamplingParams
 from specdec.verification import TargetSession
@@ -160,6 +162,109 @@ def test_greedy_speculative_equals_target_generate(kind, k, references, tiny_tar
         if k > 1:  # rollbacks that keep part of the block
             partial = [r for r in drafted_rounds if 0 < r.num_accepted < r.num_drafts]
             assert len(partial) >= 10, len(partial)
+
+
+class ProbingPolicy(DraftLengthPolicy):
+    """Every 3rd round a probe of k drafts (one at a time), every 5th k real drafts; records the
+    order of drafter calls and every outcome."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.n = 0
+        self.kind = ""
+        self.pending = False
+        self.calls: list[str] = []  # "probe" / "real", in the order the drafter is asked
+        self.shadows: list[tuple[int, int]] = []
+        self.rounds: list[RoundObservation] = []
+
+    def choose(self, max_k: int) -> int:
+        self.n += 1
+        k = min(self.k, max_k)
+        self.kind = "real" if self.n % 5 == 0 and k > 0 else "probe" if self.n % 3 == 0 and not self.pending else "zero"
+        if self.kind == "real":
+            self.calls.append("real")
+        return k if self.kind != "zero" else 0
+
+    @property
+    def probing(self) -> bool:
+        return self.kind == "probe"
+
+    def start_shadow_probe(self) -> None:
+        self.pending = True
+        self.calls.append("probe")
+
+    def observe_shadow(self, num_drafts: int, num_accepted: int) -> None:
+        self.pending = False
+        self.shadows.append((num_drafts, num_accepted))
+
+    def observe(self, outcome: RoundObservation) -> None:
+        self.rounds.append(outcome)
+
+
+class ConcurrentLocalDrafter(LocalDrafter):
+    """An in-process drafter that answers a moment later, as a drafter service would."""
+
+    concurrent = True
+
+    async def propose(self, committed: list[int], num_draft_tokens: int):
+        await asyncio.sleep(0.001)
+        return await super().propose(committed, num_draft_tokens)
+
+
+def test_shadow_probes_score_what_verification_would_accept(references, tiny_target):
+    """A probe drafted beside a plain round is scored by the committed tokens: its score equals what
+    verifying the same drafts accepts (checked on the same script's real rounds), its round verifies
+    nothing, and the output stays the target's."""
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    k = 3
+
+    def prefix_match(drafts, truth, position):
+        n = 0
+        while n < len(drafts) and position + n < len(truth) and drafts[n] == truth[position + n]:
+            n += 1
+        return len(drafts), n
+
+    async def run(ids, reference):
+        truth = ids + reference
+        script = corrupting_script(ids, reference, tiny_target.vocab_size)
+        calls = []
+
+        def logged(tokens, num, p):
+            proposal = script(tokens, num, p)
+            calls.append(prefix_match(proposal.draft_tokens, truth, len(tokens)))
+            return proposal
+
+        policy = ProbingPolicy(k)
+        session = TargetSession(tiny_target, ids, params)
+        try:
+            result = await collect(generate(
+                prompt_tokens=len(ids),
+                completion=CompletionBuilder(tiny_target.tokenizer, params, tiny_target.eos_token_ids),
+                verifier=LocalVerifier(session), policy=policy, draft_method="scripted",
+                drafter=ConcurrentLocalDrafter(ScriptedDrafter(logged).start(ids, params)),
+            ))
+        finally:
+            session.close()
+        return result, policy, calls
+
+    probes = scored_rounds = 0
+    for ids, reference in references[:8]:
+        result, policy, calls = run_sync(run(ids, reference))
+        assert result.token_ids == reference
+        # A probe launched in the last round may be cancelled before the drafter ran it.
+        assert len(calls) == len(policy.calls) or (len(calls) == len(policy.calls) - 1 and policy.calls[-1] == "probe")
+        expected_shadows = [c for c, kind in zip(calls, policy.calls) if kind == "probe"]
+        expected_real = [c for c, kind in zip(calls, policy.calls) if kind == "real" and c[0] > 0]
+        # The last probe may still be undecided when the generation ends.
+        assert policy.shadows == expected_shadows[: len(policy.shadows)]
+        assert len(expected_shadows) - len(policy.shadows) <= 1
+        assert [(r.num_drafts, r.num_accepted) for r in policy.rounds if r.num_drafts] == expected_real
+        assert sum(r.num_drafts for r in policy.rounds) == result.stats.draft_tokens == sum(d for d, _ in expected_real)
+        assert result.stats.shadow_probes == len(policy.shadows)
+        assert result.stats.shadow_accepted == sum(a for _, a in policy.shadows)
+        probes += len(policy.shadows)
+        scored_rounds += len(expected_real)
+    assert probes >= 40 and scored_rounds >= 40
 
 
 # ---------------------------------------------------------------------------------------------

@@ -194,6 +194,48 @@ def test_notices_when_speculation_pays_again():
     assert ks[-1] >= 12
 
 
+def drive_with_shadow_probes(policy, rounds: int, accepted, delay: int = 2) -> tuple[list[int], list[int]]:
+    """Like ``drive``, with probes run as the engine runs them for greedy requests: beside a k = 0
+    round, their outcome ``delay`` rounds later. Returns (k verified per round, rounds that started
+    a shadow probe)."""
+    ks, started, pending = [], [], None
+    for i in range(rounds):
+        k = policy.choose(16)
+        if k > 0 and policy.probing:
+            assert pending is None, "a second probe while one is in flight"
+            policy.start_shadow_probe()
+            pending, k = (i + delay, k, accepted(k, i)), 0
+            started.append(i)
+        d, v = costs(k)
+        policy.observe(RoundObservation(k, accepted(k, i) if k else 0, d, v))
+        if pending is not None and pending[0] == i:
+            policy.observe_shadow(pending[1], pending[2])
+            pending = None
+        ks.append(k)
+    return ks, started
+
+
+def test_shadow_probes_back_off_and_never_verify_drafts_that_do_not_pay():
+    p = AdaptiveDraftLength(probe_interval=4)
+    ks, started = drive_with_shadow_probes(p, 300, lambda k, i: 0)
+    zero_from = next(i for i, k in enumerate(ks) if k == 0)
+    assert all(k == 0 for k in ks[zero_from:])  # every probe ran in the shadow
+    probes = [i for i in started if i >= zero_from]
+    assert len(probes) >= 4
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # failed probes back off as blocking ones do
+    assert p.acceptance.alpha < 0.1  # ... and their outcomes reached the estimate
+
+
+def test_shadow_probes_notice_when_speculation_pays_again():
+    p = AdaptiveDraftLength()
+    drive_with_shadow_probes(p, 100, lambda k, i: 0)
+    ks, _ = drive_with_shadow_probes(p, 60, lambda k, i: k)  # acceptance is back
+    first = next(i for i, k in enumerate(ks) if k > p.probe_k)
+    assert first <= p.probe_interval_cap() + 12
+    assert ks[-1] >= 12
+
+
 def test_no_speculation_when_drafting_is_too_expensive():
     # alpha 0.5 with a draft token costing as much as a target step: k = 0 wins.
     p = AdaptiveDraftLength()

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2
 from specdec.client import ChunkEvent, FinalEvent, GatewayClient, build_request
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tests.harness import health_status, start_service, start_stack
+from tests.test_greedy_equality import hf_greedy
 from tests.tiny_models import build_noisy_copy
 
 PROMPTS = [
@@ -79,6 +80,28 @@ def test_greedy_through_gateway_equals_target_only(stack, tiny_target, method):
                 assert result.stats["draft_tokens"] == 0
     if method == "model":  # the noisy draft agrees often: the rounds really did accept and roll back
         assert accepted > 0
+
+
+def test_adaptive_sessions_probe_in_the_shadow_and_stay_exact(tiny_pair, tiny_target, tmp_path):
+    """With a draft that never agrees (random weights), adaptive greedy sessions fall back to plain
+    decoding and keep measuring acceptance with shadow probes: drafted beside plain rounds, scored
+    against the committed tokens, never verified."""
+    stack = start_stack(tiny_pair[1], tiny_pair[2], tmp_path)
+    try:
+        with GatewayClient(stack.gateway.address, timeout=120) as client:
+            probes = 0
+            for prompt in PROMPTS[:4]:
+                result = client.generate(prompt=prompt, max_new_tokens=96, method="model", num_draft_tokens=0,
+                                         ignore_eos=True)
+                assert result.token_ids == hf_greedy(tiny_target, list(result.prompt_token_ids), 96)
+                stats = result.stats
+                probes += stats["shadow_probes"]
+                assert stats["shadow_accepted"] <= stats["shadow_probes"]
+                # After the first rounds (the initial k), every round verifies nothing: probes ran beside.
+                assert sum(stats["k_history"][8:]) == 0, stats["k_history"]
+            assert probes >= 8
+    finally:
+        stack.stop()
 
 
 def test_verifier_reports_its_forward_cost_curve(stack):
