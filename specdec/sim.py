@@ -139,8 +139,13 @@ def _simulate_request(
     step_s: float,
     prompt_tokens: int,
     k_hist: dict[int, int] | None,
+    shadow_probes: bool = False,
 ) -> float:
-    """Simulated seconds to generate ``tokens`` tokens (policy None: fixed ``fixed_k``)."""
+    """Simulated seconds to generate ``tokens`` tokens (policy None: fixed ``fixed_k``).
+
+    ``shadow_probes``: the policy's probes run as the gateway runs them for greedy requests, beside
+    a k = 0 round (the drafter on its own machine: the probe adds no time), scored at the round's
+    end by the positions it drafted."""
     t = 0
     clock = 0.0
     r = 0
@@ -167,6 +172,11 @@ def _simulate_request(
     while t < tokens:
         bound = min(max_k, tokens - t - 1)
         k = min(fixed_k, bound) if policy is None else policy.choose(bound)
+        shadow = None
+        if shadow_probes and policy is not None and k > 0 and policy.probing:
+            policy.start_shadow_probe()
+            shadow = (k, min(k, req.run[t]))  # what verifying the probe would have accepted
+            k, unseen = 0, 0  # the probe's call caught the drafter up
         n = min(k, req.run[t])
         draft_s = 0.0
         if k > 0:
@@ -178,6 +188,8 @@ def _simulate_request(
         verify_s = (rtt + sc.verify_steps(k)) * step_s * req.noise_verify[r]
         if policy is not None:
             policy.observe(RoundObservation(k, n, draft_s, verify_s))
+            if shadow is not None:
+                policy.observe_shadow(*shadow)
         if k_hist is not None:
             k_hist[k] = k_hist.get(k, 0) + 1
         clock += draft_s + verify_s
@@ -196,11 +208,13 @@ def _run_policy(
     step_s: float,
     prompt_tokens: int,
     k_hist: dict[int, int] | None = None,
+    shadow_probes: bool = False,
 ) -> float:
     total = 0.0
     for req in requests:
         policy = make() if make is not None else None
-        total += _simulate_request(policy, fixed_k, req, sc, tokens, max_k, step_s, prompt_tokens, k_hist)
+        total += _simulate_request(policy, fixed_k, req, sc, tokens, max_k, step_s, prompt_tokens, k_hist,
+                                   shadow_probes)
         if policy is not None:
             policy.close()
     return len(requests) * tokens / total
@@ -225,12 +239,16 @@ def run_scenario(
     key = ("synthetic", sc.name, "target")
     hist: dict[int, int] = {}
     adaptive = _run_policy(lambda: AdaptiveDraftLength(max_k=max_k, memory=memory, key=key), 0, *args, k_hist=hist)
+    shadow_memory = AcceptanceMemory()
+    shadow = _run_policy(lambda: AdaptiveDraftLength(max_k=max_k, memory=shadow_memory, key=key), 0, *args,
+                         shadow_probes=True)
     best_k = max((k for k in fixed if k >= 1), key=lambda k: fixed[k])
     entry = memory.get(key)
     return {
         "name": sc.name,
         "description": sc.description,
         "adaptive_tokens_per_s": adaptive,
+        "adaptive_shadow_probes_tokens_per_s": shadow,
         "heuristic_tokens_per_s": heuristic,
         "k0_tokens_per_s": fixed[0],
         "best_fixed_k": best_k,
@@ -282,7 +300,7 @@ def run_simulation(
 
 def format_table(result: dict) -> str:
     head = (
-        f"{'scenario':<16}{'adaptive':>10}{'heuristic':>11}{'k=0':>9}{'best k':>8}"
+        f"{'scenario':<16}{'adaptive':>10}{'shadow':>8}{'heuristic':>11}{'k=0':>9}{'best k':>8}"
         f"{'best fixed':>12}{'vs best':>9}{'vs heur':>9}"
     )
     lines = [
@@ -293,7 +311,8 @@ def format_table(result: dict) -> str:
     ]
     for s in result["scenarios"]:
         lines.append(
-            f"{s['name']:<16}{s['adaptive_tokens_per_s']:>10.1f}{s['heuristic_tokens_per_s']:>11.1f}"
+            f"{s['name']:<16}{s['adaptive_tokens_per_s']:>10.1f}{s['adaptive_shadow_probes_tokens_per_s']:>8.1f}"
+            f"{s['heuristic_tokens_per_s']:>11.1f}"
             f"{s['k0_tokens_per_s']:>9.1f}{s['best_fixed_k']:>8d}{s['best_fixed_tokens_per_s']:>12.1f}"
             f"{s['adaptive_vs_best_fixed']:>9.3f}{s['adaptive_vs_heuristic']:>9.3f}"
         )

@@ -61,6 +61,15 @@ def test_no_speculation_scenario_stays_near_plain_decoding(scenarios):
     assert hist.get(0, 0) > 0.85 * sum(hist.values())  # the rest: k = 1 probes
 
 
+@pytest.mark.parametrize("name", sorted(s.name for s in default_scenarios()))
+def test_shadow_probes_cost_nothing_where_blocking_probes_cost_a_little(scenarios, name):
+    s = scenarios[name]
+    assert s["adaptive_shadow_probes_tokens_per_s"] >= 0.995 * s["adaptive_tokens_per_s"]
+    if name == "none":  # probing without drafting that pays: plain decoding's speed, less the noise
+        assert s["adaptive_shadow_probes_tokens_per_s"] >= 0.99 * s["k0_tokens_per_s"]
+        assert s["adaptive_shadow_probes_tokens_per_s"] > s["adaptive_tokens_per_s"]
+
+
 def test_sanity_of_the_synthetic_world(scenarios):
     # Speculation pays with high acceptance and long round trips, not with none.
     assert scenarios["high"]["best_fixed_tokens_per_s"] > 2 * scenarios["high"]["k0_tokens_per_s"]
