@@ -332,16 +332,6 @@ def _pump(prefix: str, stream) -> None:
         sys.stdout.flush()
 
 
-def up_environment(environ) -> dict[str, str]:
-    """The services' environment under ``specdec up``: the caller's, with OpenMP threads that wait
-    passively unless it sets OMP_WAIT_POLICY. The three processes share this machine's cores, and
-    libgomp's default spin-waiting between forwards kept the verifier's threads on both cores
-    whatever it computed (13.6 CPU-s in a 7 s generation), starving the drafter beside it."""
-    env = dict(environ)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return env
-
-
 def _up(args) -> int:
     """Start the three services as child processes; Ctrl-C (or SIGTERM) stops them all."""
     from specdec.models import default_draft_model, resolve_model_path
@@ -368,11 +358,9 @@ def _up(args) -> int:
                            "--draft-ahead" if args.draft_ahead else "--no-draft-ahead",
                            "--net-delay-ms", str(args.net_delay_ms)],
     }
-    env = up_environment(os.environ)
     procs = {}
     for name, cmd in commands.items():
-        procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                       env=env)
+        procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         if name == "drafter" and args.drafter_nice:
             os.setpriority(os.PRIO_PROCESS, procs[name].pid, os.getpriority(os.PRIO_PROCESS, 0) + args.drafter_nice)
         threading.Thread(target=_pump, args=(f"[{name:8}]", procs[name].stdout), daemon=True).start()

@@ -319,10 +319,3 @@ def test_round_on_the_wire_fits_8kb(embedded_target):
     back = convert.proposal_from_pb(verifier_message.block)
     for sent, received in zip(proposal.draft_probs, back.draft_probs):
         assert torch.equal(sent.token_ids, received.token_ids) and torch.equal(sent.probs, received.probs)
-
-
-def test_up_starts_services_with_passive_openmp_waits_unless_told_otherwise():
-    from specdec.cli import up_environment
-
-    assert up_environment({"PATH": "/bin"}) == {"PATH": "/bin", "OMP_WAIT_POLICY": "PASSIVE"}
-    assert up_environment({"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
