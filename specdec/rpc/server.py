@@ -193,18 +193,16 @@ class ServiceRuntime:
         )
         address = f"{self.options.host}:{self.options.port}"
         tls = self.options.tls
+        cannot_listen = f"{self.service_name}: cannot listen on {address} (in use?)"
         try:
             if tls is not None and tls.enabled:
                 self.port = self.server.add_secure_port(address, tls.server_credentials())
             else:
                 self.port = self.server.add_insecure_port(address)
-        except RuntimeError as exc:
-            self.port = 0
-            cause = exc
-        else:
-            cause = None
+        except RuntimeError as exc:  # grpcio raises on a failed bind (older versions return port 0)
+            raise SystemExit(f"{cannot_listen}: {exc}") from exc
         if not self.port:
-            raise SystemExit(f"{self.service_name}: cannot listen on {address} (in use?): {cause or 'bind failed'}")
+            raise SystemExit(cannot_listen)
         await self.server.start()
         await self.set_serving(False)
         await _maybe_await(self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING))
