@@ -45,7 +45,7 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
             raise SystemExit(f"unknown draft method {method!r}")
         await loop.run_in_executor(self.executor, self._warm_up)
         await self.runtime.set_serving(True)
-        log.info("drafter serving method=%s model=%s", method, draft_model)
+        log.info("drafter serving method=%s model=%s threads=%d", method, draft_model, await self.model_threads())
 
     def _warm_up(self) -> None:
         session = self.drafter.start([0, 1, 2, 3], SamplingParams(max_new_tokens=4))

@@ -52,6 +52,8 @@ def _add_serve_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     _add_dtype_flag(p)
     p.add_argument("--idle-timeout", type=float, default=300.0,
                    help="drafter/verifier: free a session whose stream is silent this long (seconds)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads for the model's operations (0: torch's default, one per core)")
     p.add_argument("--max-batch-size", type=int, default=16,
                    help="drafter/verifier: sessions served by one batched forward pass (1 = no batching)")
     p.add_argument("--batch-wait-ms", type=float, default=5.0,
@@ -133,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="niceness added to the drafter process: on one machine the verifier is the shared "
                          "bottleneck, so where the two compete for cores (the drafter's prefill beside the "
                          "verifier's, other sessions' drafts) the verifier goes first (0: equal)")
+    up.add_argument("--drafter-threads", type=int, default=1,
+                    help="CPU threads of the drafter: on one machine its spinning worker threads take cores "
+                         "from the verifier's forward passes (0: torch's default, one per core)")
 
     bench = sub.add_parser("bench", help="benchmark spec decoding vs baselines (gateway or --local)")
     from specdec.bench import add_arguments as _add_bench_arguments
@@ -292,6 +297,10 @@ def _serve(args) -> int:
         tls=TLSConfig.from_sources(args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_auth),
         api_keys=tuple(load_api_keys(args.api_keys_file)) if args.role == "gateway" else (),
     )
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.role == "verifier":
         from verifier_service.server import serve
 
@@ -340,7 +349,8 @@ def _up(args) -> int:
     gateway_port, drafter_port, verifier_port = args.port, args.port + 1, args.port + 2
     host = args.host
     base = [sys.executable, "-m", "specdec.cli", "serve"]
-    drafter_cmd = base + ["drafter", "--host", host, "--port", str(drafter_port)]
+    drafter_cmd = base + ["drafter", "--host", host, "--port", str(drafter_port),
+                          "--threads", str(args.drafter_threads)]
     draft_model = args.draft_model or default_draft_model(args.target)
     method = args.draft_method if args.draft_method != "auto" else ("model" if draft_model else "ngram")
     if method == "model":

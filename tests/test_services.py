@@ -319,3 +319,23 @@ def test_round_on_the_wire_fits_8kb(embedded_target):
     back = convert.proposal_from_pb(verifier_message.block)
     for sent, received in zip(proposal.draft_probs, back.draft_probs):
         assert torch.equal(sent.token_ids, received.token_ids) and torch.equal(sent.probs, received.probs)
+
+
+def test_serve_threads_flag_sets_the_model_threads(tiny_pair, tmp_path):
+    # `specdec up` runs the drafter on one thread so that its spinning OpenMP workers do not take
+    # cores from the verifier's passes; the flag must win over the environment's default.
+    env = {"OMP_NUM_THREADS": "2"}
+    pinned = start_service("drafter", ["--method", "model", "--draft-model", str(tiny_pair[2]), "--threads", "1"],
+                           tmp_path, name="pinned", env=env)
+    default = start_service("verifier", ["--target", str(tiny_pair[1])], tmp_path, name="default", env=env)
+    try:
+        pinned.wait_serving()
+        default.wait_serving()
+        deadline = time.monotonic() + 30  # the line is logged right after the health status flips
+        while time.monotonic() < deadline and not ("threads=" in pinned.log() and "threads=" in default.log()):
+            time.sleep(0.1)
+        assert "drafter serving method=model" in pinned.log() and "threads=1" in pinned.log()
+        assert "threads=2" in default.log()
+    finally:
+        pinned.stop()
+        default.stop()

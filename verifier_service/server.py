@@ -37,7 +37,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
         self.lm = await loop.run_in_executor(self.executor, lambda: load_model(target, device=device))
         await loop.run_in_executor(self.executor, self._warm_up)
         await self.runtime.set_serving(True)
-        log.info("verifier serving %s", target)
+        log.info("verifier serving %s threads=%d", target, await self.model_threads())
 
     def _warm_up(self) -> None:
         from specdec.sampling import SamplingParams

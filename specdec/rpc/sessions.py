@@ -117,6 +117,12 @@ class ModelWorkerService:
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
+    async def model_threads(self) -> int:
+        """CPU threads the model thread's operations run on (``serve --threads``; torch's default)."""
+        import torch
+
+        return await self._run(torch.get_num_threads)
+
     async def _batched(self, job, tokens: int):
         """``(result, BatchInfo)`` of ``job`` served in a batched pass with other sessions' jobs."""
         result, info = await self.batcher.submit(job, tokens)
