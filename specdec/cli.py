@@ -131,10 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1")
     _add_dtype_flag(up)
     up.add_argument("--port", type=int, default=50051, help="gateway port; drafter +1, verifier +2")
-    up.add_argument("--drafter-nice", type=int, default=5,
+    up.add_argument("--drafter-nice", type=int, default=19,
                     help="niceness added to the drafter process: on one machine the verifier is the shared "
                          "bottleneck, so where the two compete for cores (the drafter's prefill beside the "
-                         "verifier's, other sessions' drafts) the verifier goes first (0: equal)")
+                         "verifier's, shadow probes beside its passes) the verifier goes first; the drafter "
+                         "still has the cores whenever the verifier waits for it (0: equal)")
     up.add_argument("--drafter-threads", type=int, default=1,
                     help="CPU threads of the drafter: on one machine its spinning worker threads take cores "
                          "from the verifier's forward passes (0: torch's default, one per core)")
