@@ -207,7 +207,11 @@ class BatchingOptions:
     # passes forever instead of sharing them. 0: take only what queued while the last pass ran.
     max_wait_s: float = 0.005
     max_batch_tokens: int = 256
-    max_row_tokens: int = 32  # longer jobs (prefills) run alone: decoding sessions do not wait for them
+    max_row_tokens: int = 64  # longer jobs (prefills) run alone: decoding sessions do not wait for them
+    # While other sessions are decoding, the verifier feeds a longer prompt in chunks of this many
+    # tokens (at most max_row_tokens), each riding in a pass with their rows, instead of one pass that
+    # stalls them all (chunked prefill). 0: a prompt is always prefilled in one pass.
+    prefill_chunk_tokens: int = 64
 
 
 @dataclass

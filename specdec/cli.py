@@ -59,6 +59,9 @@ def _add_serve_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--batch-wait-ms", type=float, default=5.0,
                    help="drafter/verifier: hold a pass up to this long for open sessions whose next message "
                         "has not arrived yet (0: only what queued during the last pass)")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                   help="verifier: while other sessions decode, feed a longer prompt in chunks of this many "
+                        "tokens that share their passes (default 64; 0: one pass per prompt)")
     p.add_argument("--tls-cert", default=None, help="PEM certificate (env SPECDEC_TLS_CERT); serves TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key (env SPECDEC_TLS_KEY)")
     p.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify peers (env SPECDEC_TLS_CA)")
@@ -284,7 +287,14 @@ def _batching(args):
         raise SystemExit("--max-batch-size must be >= 1")
     if args.batch_wait_ms < 0:
         raise SystemExit("--batch-wait-ms must be >= 0")
-    return BatchingOptions(max_batch_size=args.max_batch_size, max_wait_s=args.batch_wait_ms / 1e3)
+    chunking = {}
+    if args.prefill_chunk_tokens is not None:
+        if args.prefill_chunk_tokens < 0:
+            raise SystemExit("--prefill-chunk-tokens must be >= 0")
+        chunking["prefill_chunk_tokens"] = args.prefill_chunk_tokens
+        # Chunks share passes only if they are not "long jobs" that run alone.
+        chunking["max_row_tokens"] = max(BatchingOptions.max_row_tokens, args.prefill_chunk_tokens)
+    return BatchingOptions(max_batch_size=args.max_batch_size, max_wait_s=args.batch_wait_ms / 1e3, **chunking)
 
 
 def _serve(args) -> int:

@@ -87,12 +87,33 @@ class TargetSession:
 
 
 
-def verify_batch(target: LoadedModel, jobs: list[tuple[TargetSession, DraftProposal]]) -> list[Verdict | Exception]:
+@dataclass(frozen=True)
+class PrefillChunk:
+    """A job that feeds the first ``end`` prompt tokens of ``session`` to its cache and decides
+    nothing (chunked prefill): a long prompt shares passes with decoding sessions instead of
+    stalling them for a pass of its own. The session's prefill verdict then feeds only the rest."""
+
+    session: TargetSession
+    end: int
+
+    def forward_row(self) -> ForwardRow:
+        return ForwardRow(self.session.kv, self.session.tokens[: self.end], 1)
+
+
+VerifyJob = tuple[TargetSession, DraftProposal] | PrefillChunk
+
+
+def verify_batch(target: LoadedModel, jobs: list[VerifyJob]) -> list[Verdict | Exception | None]:
     """Verify several sessions' proposals in one forward pass of ``target``; one verdict (or the
-    error of that job alone) per job, each equal to what ``session.verify(proposal)`` decides."""
-    rows = [session.forward_row(proposal) for session, proposal in jobs]
-    results: list[Verdict | Exception] = []
-    for (session, proposal), logits in zip(jobs, batched_forward(target, rows), strict=True):
+    error of that job alone) per job, each equal to what ``session.verify(proposal)`` decides.
+    A ``PrefillChunk`` job's result is None: it only fills its session's cache."""
+    rows = [job.forward_row() if isinstance(job, PrefillChunk) else job[0].forward_row(job[1]) for job in jobs]
+    results: list[Verdict | Exception | None] = []
+    for job, logits in zip(jobs, batched_forward(target, rows), strict=True):
+        if isinstance(job, PrefillChunk):
+            results.append(None)
+            continue
+        session, proposal = job
         try:
             results.append(session.commit(proposal, logits))
         except Exception as exc:  # one session's failure is its own

@@ -19,7 +19,7 @@ from specdec.client import GatewayClient
 from specdec.drafters import ModelDrafter, ScriptedDrafter
 from specdec.kv import KVSession
 from specdec.sampling import DraftProposal, SamplingParams
-from specdec.verification import TargetSession, verify_batch
+from specdec.verification import PrefillChunk, TargetSession, verify_batch
 from tests.harness import start_stack
 from tests.test_distribution import assert_first_three_follow_target
 from tests.test_greedy_equality import PROMPTS, corrupting_script, hf_greedy
@@ -186,6 +186,64 @@ def test_batched_sampling_equals_unbatched_per_seed(tiny_target, tiny_noisy_draf
     assert together == alone
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_prompt_fed_in_chunks_beside_decoding_sessions_decodes_the_same(temperature, tiny_target, tiny_noisy_draft):
+    """Chunked prefill: a session arriving while others decode has its prompt fed in
+    ``PrefillChunk`` jobs, each in a pass with their verifications, then joins them. Every session
+    decodes what it decodes alone (greedy: the target's own output; sampling: the same draws for
+    the same seed), the arriving one included."""
+    tokenizer = tiny_target.tokenizer
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in PROMPTS[:3]]
+    arriving = tokenizer(" ".join(PROMPTS), add_special_tokens=False)["input_ids"]
+    chunk = 5
+    assert len(arriving) > 6 * chunk
+    params = [SamplingParams(max_new_tokens=NEW_TOKENS, temperature=temperature, seed=7 + i, ignore_eos=True)
+              for i in range(4)]
+    drafter = ModelDrafter(tiny_noisy_draft)
+    targets = [TargetSession(tiny_target, ids, p) for ids, p in zip(prompts, params)]
+    drafts = [drafter.start(ids, p) for ids, p in zip(prompts, params)]
+    outputs: list[list[int]] = [[] for _ in range(4)]
+
+    def commit(i: int, verdict) -> None:
+        assert not isinstance(verdict, Exception), verdict
+        outputs[i].extend(verdict.tokens)
+        drafts[i].extend(verdict.tokens)
+
+    for i, verdict in enumerate(verify_batch(tiny_target, [(t, DraftProposal()) for t in targets])):
+        commit(i, verdict)
+    new_session = TargetSession(tiny_target, arriving, params[3])
+    chunk_passes = 0
+    fed = 0
+    while True:  # each pass: one round for every decoding session, plus the next piece of the prompt
+        active = [i for i in range(len(targets)) if len(outputs[i]) < params[i].max_new_tokens]
+        if len(targets) == 4 and not active:
+            break
+        ks = [min(2, params[i].max_new_tokens - len(outputs[i]) - 1) for i in active]
+        proposals = drafter.propose_batch([(drafts[i], k) for i, k in zip(active, ks)])
+        jobs = [(targets[i], proposal) for i, proposal in zip(active, proposals)]
+        if len(targets) == 3:
+            if len(arriving) - fed > chunk:
+                fed += chunk
+                jobs.append(PrefillChunk(new_session, fed))
+                chunk_passes += 1
+            else:  # the last piece: the session's prefill verdict (its first token)
+                jobs.append((new_session, DraftProposal()))
+        results = verify_batch(tiny_target, jobs)
+        for i, verdict in zip(active, results):
+            commit(i, verdict)
+        if len(targets) == 3 and isinstance(jobs[-1], PrefillChunk):
+            assert results[-1] is None and len(new_session.kv.cached_tokens) == fed
+        elif len(targets) == 3:
+            targets.append(new_session)
+            drafts.append(drafter.start(arriving, params[3]))
+            commit(3, results[-1])
+    assert chunk_passes == (len(arriving) - 1) // chunk
+    alone = [run_lockstep(tiny_target, drafter, [ids], [p], k=2)[0][0] for ids, p in zip(prompts + [arriving], params)]
+    assert outputs == alone
+    if temperature == 0.0:
+        assert outputs == [hf_greedy(tiny_target, ids, NEW_TOKENS) for ids in prompts + [arriving]]
+
+
 def test_scheduler_gathers_concurrent_jobs_and_runs_prefills_alone():
     passes: list[list[str]] = []
     gate = threading.Event()
@@ -257,12 +315,15 @@ def _metric(text: str, name: str) -> float:
 
 def test_concurrent_requests_through_the_services_are_batched_and_exact(tiny_pair, tiny_target, tmp_path):
     """Eight concurrent greedy requests through real services: each equals the target alone, and the
-    verifier and drafter did serve several sessions per pass (stats and Prometheus metrics)."""
+    verifier and drafter did serve several sessions per pass (stats and Prometheus metrics); the
+    prompts of sessions that arrived beside others were fed in chunks (chunked prefill)."""
     from tests.test_services import PROMPTS as SERVICE_PROMPTS, reference_greedy
 
-    # A small batch wait makes the test independent of how fast the machine runs the tiny model.
+    # A small batch wait makes the test independent of how fast the machine runs the tiny model;
+    # two-token chunks split even these short prompts.
     stack = start_stack(tiny_pair[1], tiny_pair[1], tmp_path, metrics=True,
-                        verifier_args=["--batch-wait-ms", "20"], drafter_args=["--batch-wait-ms", "20"])
+                        verifier_args=["--batch-wait-ms", "20", "--prefill-chunk-tokens", "2"],
+                        drafter_args=["--batch-wait-ms", "20"])
     try:
         def one(prompt: str):
             with GatewayClient(stack.gateway.address, timeout=120) as client:
@@ -279,5 +340,7 @@ def test_concurrent_requests_through_the_services_are_batched_and_exact(tiny_pai
             passes = _metric(text, f'specdec_batch_size_count{{role="{role}"}}')
             served = _metric(text, f'specdec_batch_size_sum{{role="{role}"}}')
             assert served / passes > 1.2, (role, served, passes)
+            if role == "verifier":
+                assert _metric(text, 'specdec_prefill_chunks_total{role="verifier"}') > 0
     finally:
         stack.stop()

@@ -16,7 +16,7 @@ from specdec.rpc.server import NotReady, idle_guard, ServeOptions, ServiceRuntim
 from specdec.rpc.sessions import ModelWorkerService
 from specdec.sampling import DraftProposal
 from specdec.v1 import types_pb2, verifier_pb2, verifier_pb2_grpc
-from specdec.verification import TargetSession, Verdict, verify_batch
+from specdec.verification import PrefillChunk, TargetSession, Verdict, VerifyJob, verify_batch
 
 log = logging.getLogger("specdec.verifier")
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
@@ -77,12 +77,12 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                     params = convert.sampling_from_pb(start.sampling)
                     session = TargetSession(lm, prompt, params)
                     key = self.sessions.open(start.session_id, session, cancelled)
-                    verdict = await self._verify(session, DraftProposal(), len(prompt))
+                    verdict, chunks = await self._prefill(session)
                     self.metrics.tokens.inc(len(verdict.tokens))
                     if trace is not None:
                         trace.set(session_id=key, prompt_tokens=len(prompt))
                         trace.step("prefill", received, prompt_tokens=len(prompt), tokens=len(verdict.tokens),
-                                   **verdict.batch.trace_attributes())
+                                   prefill_chunks=chunks, **verdict.batch.trace_attributes())
                     yield verifier_pb2.VerifyResponse(round=0, service_time_us=_us_since(received),
                                                       **convert.verdict_fields(verdict))
                 elif kind == "block":
@@ -113,12 +113,28 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
             if trace is not None:
                 trace.end()
 
+    async def _prefill(self, session: TargetSession) -> tuple[Verdict, int]:
+        """The first token, and how many prompt chunks went ahead of it: while other sessions are
+        decoding, a long prompt is fed in chunks that share their passes (``PrefillChunk``), so
+        their decoding does not stop for it. Once a chunk's pass had no one else in it, the rest
+        goes in one pass (more chunks would only add passes)."""
+        chunk = min(self.batching.prefill_chunk_tokens, self.batching.max_row_tokens)
+        fed = chunks = 0
+        shared = len(self.sessions) > 1
+        while shared and chunk > 0 and len(session.tokens) - fed > chunk:
+            fed += chunk
+            _, batch = await self._batched(PrefillChunk(session, fed), chunk)
+            shared = batch.size > 1
+            self.metrics.prefill_chunks.inc()
+            chunks += 1
+        return await self._verify(session, DraftProposal(), len(session.tokens) - fed), chunks
+
     async def _verify(self, session: TargetSession, proposal: DraftProposal, tokens: int) -> Verdict:
         """Verify in a batched pass with other sessions' pending messages (prefill: empty proposal)."""
         verdict, info = await self._batched((session, proposal), tokens)
         return dataclasses.replace(verdict, batch=info)
 
-    def _run_batch(self, jobs: list[tuple[TargetSession, DraftProposal]]) -> list:
+    def _run_batch(self, jobs: list[VerifyJob]) -> list:
         return verify_batch(self.lm, jobs)
 
     def _validate_block(self, proposal: DraftProposal, session: TargetSession, lm: LoadedModel) -> None:

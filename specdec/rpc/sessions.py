@@ -41,6 +41,10 @@ class ServiceMetrics:
             "specdec_batch_pass_seconds", "Duration of one batched forward pass", ["role"], registry=registry,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
         ).labels(role)
+        self.prefill_chunks = Counter(
+            "specdec_prefill_chunks", "Prompt chunks fed in passes shared with decoding sessions (chunked prefill)",
+            ["role"], registry=registry,
+        ).labels(role)
         self.batch_queue_wait_seconds = Histogram(
             "specdec_batch_queue_wait_seconds", "A message's wait for the batched pass that served it", ["role"],
             registry=registry, buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
@@ -110,7 +114,8 @@ class ModelWorkerService:
         # A session's KV cache is freed on the model thread, after any pass that is using it.
         self.sessions = SessionRegistry(max_sessions, self.metrics,
                                         release=lambda session: self.executor.submit(session.close))
-        self.batcher = BatchScheduler(self._run_batch, self.executor, batching or BatchingOptions(),
+        self.batching = batching or BatchingOptions()
+        self.batcher = BatchScheduler(self._run_batch, self.executor, self.batching,
                                       on_pass=self._observe_pass, expected=lambda: len(self.sessions))
         telemetry.current().observe_active_sessions(self.role, lambda: len(self.sessions))
 
