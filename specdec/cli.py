@@ -52,8 +52,9 @@ def _add_serve_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     _add_dtype_flag(p)
     p.add_argument("--idle-timeout", type=float, default=300.0,
                    help="drafter/verifier: free a session whose stream is silent this long (seconds)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="CPU threads for the model's operations (0: torch's default, one per core)")
+    p.add_argument("--threads", type=int, default=os.environ.get("SPECDEC_THREADS", "0"),
+                   help="CPU threads for the model's operations (env SPECDEC_THREADS; 0: torch's default, "
+                        "one per core of the machine, which in a container is not its CPU share)")
     p.add_argument("--max-batch-size", type=int, default=16,
                    help="drafter/verifier: sessions served by one batched forward pass (1 = no batching)")
     p.add_argument("--batch-wait-ms", type=float, default=5.0,

@@ -164,3 +164,24 @@ def test_cli_accepts_the_manifest_args(rendered):
                 for a in deployment["spec"]["template"]["spec"]["containers"][0]["args"]]
         parsed = build_parser().parse_args(args)
         assert parsed.command == "serve"
+
+
+def test_model_services_take_their_threads_from_their_cpu_request(rendered, monkeypatch):
+    """torch sizes its thread pool by the node's cores, not the pod's CPU share: the drafter and the
+    verifier get SPECDEC_THREADS from their own CPU request, and the CLI reads it."""
+    from specdec.cli import build_parser
+
+    _, objects = rendered
+    model_services = [d for d in deployments(objects) if d["metadata"]["name"] in ("specdec-verifier", "specdec-drafter")]
+    assert len(model_services) == 2
+    for deployment in model_services:
+        name = deployment["metadata"]["name"]
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e for e in container["env"]}
+        ref = env["SPECDEC_THREADS"]["valueFrom"]["resourceFieldRef"]
+        assert ref == {"containerName": container["name"], "resource": "requests.cpu", "divisor": "1"}, name
+        assert container["resources"]["requests"]["cpu"], name
+    monkeypatch.setenv("SPECDEC_THREADS", "3")
+    assert build_parser().parse_args(["serve", "drafter"]).threads == 3
+    monkeypatch.delenv("SPECDEC_THREADS")
+    assert build_parser().parse_args(["serve", "verifier"]).threads == 0
