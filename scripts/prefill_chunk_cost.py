@@ -49,12 +49,13 @@ def main() -> None:
                 kv.rollback(len(context))  # back to the context alone
         return min(times) * 1e3
 
+    chunks = [int(n) for n in args.chunks.split(",")]
     decode_ms = best_ms(decode_rows)
     print(f"{args.sessions} decoding rows: {decode_ms:.0f} ms")
     print("| chunk (tokens) | alone | with the decoding rows | as separate passes |")
     print("|---:|---:|---:|---:|")
-    prompt = [rng.randrange(VOCAB) for _ in range(max(int(n) for n in args.chunks.split(",")))]
-    for n in (int(n) for n in args.chunks.split(",")):
+    prompt = [rng.randrange(VOCAB) for _ in range(max(chunks))]
+    for n in chunks:
         alone = best_ms(lambda: [ForwardRow(KVSession(lm), prompt[:n], 1)])
         mixed = best_ms(lambda: decode_rows() + [ForwardRow(KVSession(lm), prompt[:n], 1)])
         print(f"| {n} | {alone:.0f} ms | {mixed:.0f} ms | {alone + decode_ms:.0f} ms |")
