@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 
@@ -108,8 +109,14 @@ class RemoteDrafter:
     concurrent = True  # the drafter service drafts while the verifier verifies
 
     def __init__(self, stub, session_id: str, prompt_ids: list[int], params: SamplingParams,
-                 timeout: float | None, metadata=None, draft_top_k: int = 0, net_delay_s: float = 0.0) -> None:
-        self.call = stub.Draft(timeout=timeout, metadata=metadata)
+                 time_remaining: Callable[[], float | None], metadata=None, draft_top_k: int = 0,
+                 net_delay_s: float = 0.0) -> None:
+        # The stream opens in begin(): a session that never drafts costs the drafter nothing, and
+        # one opened late gets the deadline's remaining time then.
+        self._stub = stub
+        self._time_remaining = time_remaining
+        self._metadata = metadata
+        self.call = None
         self.net_delay_s = net_delay_s
         self.session_id = session_id
         self.prompt_ids = prompt_ids
@@ -124,9 +131,15 @@ class RemoteDrafter:
         self._ahead_owed = False  # a DraftAhead message is on its way
         self._continue_write: asyncio.Task | None = None
 
+    @property
+    def started(self) -> bool:
+        """The session was opened (``begin``, or the first ``propose``)."""
+        return self._start_task is not None
+
     def begin(self) -> None:
         """Open the session now so the drafter's prefill overlaps the verifier's."""
         if self._start_task is None:
+            self.call = self._stub.Draft(timeout=self._time_remaining(), metadata=self._metadata)
             self._reader = asyncio.ensure_future(self._read_loop())
             self._start_task = asyncio.ensure_future(self._start())
 
@@ -232,6 +245,8 @@ class RemoteDrafter:
     async def close(self) -> None:
         """Let the drafter finish what it owes (a block drafted ahead) and end the session normally;
         a broken stream owes nothing and is cancelled at once."""
+        if self.call is None:
+            return  # never opened
         if self._start_task is not None and not self._start_task.done():
             self._start_task.cancel()
         if self._continue_write is not None:

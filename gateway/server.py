@@ -262,7 +262,6 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         request_id = request.request_id or uuid.uuid4().hex
         obs.begin(request_id=request_id, params=params, prompt_tokens=len(prompt_ids), method=method, requested_k=k)
         metadata = obs.metadata()  # W3C trace context for both downstream streams (None: tracing off)
-        timeout = context.time_remaining()  # the client's deadline, passed on as remaining time
         self.active += 1
         self.metrics.active_sessions.set(self.active)
         self.metrics.requests.inc()
@@ -273,21 +272,27 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         if method in ("model", "ngram"):
             # A drafter service of that method if one runs; n-gram lookup can also run right here.
             drafter_backend = self.drafters.pick(method)
+        draft_model = drafter_backend.info.model.model if drafter_backend is not None else ""
+        policy = make_policy(k, memory=self.acceptance_memory, max_k=self.limits.max_draft_tokens,
+                             key=AcceptanceMemory.make_key(method, draft_model, verifier_backend.info.model.model),
+                             forward_curve=list(verifier_backend.info.forward_cost_s) or None)
+        if method in ("model", "ngram"):
             if drafter_backend is not None:
                 drafter_backend.in_flight += 1
-                remote_drafter = RemoteDrafter(drafter_backend.stub, request_id, prompt_ids, params, timeout, metadata,
+                remote_drafter = RemoteDrafter(drafter_backend.stub, request_id, prompt_ids, params, context.time_remaining, metadata,
                                                net_delay_s=links.net_delay_s)
-                remote_drafter.begin()
+                if policy.expects_to_draft():
+                    # The drafter's prefill overlaps the verifier's. When plain decoding is expected
+                    # to win (what this draft pair measured before), the session opens at the first
+                    # proposal instead: its prefill then cannot delay the first token.
+                    remote_drafter.begin()
+                obs.drafter_opened_at_prefill(remote_drafter.started)
                 drafter_link = remote_drafter
             elif method == "ngram":
                 drafter_link = LocalDrafter(NgramDrafter().start(prompt_ids, params))
         obs.links(verifier, drafter_link, verifier_backend.address,
                   drafter_backend.address if drafter_backend is not None else None,
                   (drafter_backend.info.model.model or None) if drafter_backend is not None else None)
-        draft_model = drafter_backend.info.model.model if drafter_backend is not None else ""
-        policy = make_policy(k, memory=self.acceptance_memory, max_k=self.limits.max_draft_tokens,
-                             key=AcceptanceMemory.make_key(method, draft_model, verifier_backend.info.model.model),
-                             forward_curve=list(verifier_backend.info.forward_cost_s) or None)
         try:
             obs.generation_started()
             events = generate(

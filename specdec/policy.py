@@ -49,6 +49,16 @@ class DraftLengthPolicy(ABC):
     def observe(self, outcome: RoundObservation) -> None:
         """Learn from the round just verified."""
 
+    def expects_to_draft(self) -> bool:
+        """Whether the first rounds will likely draft (k > 0), asked before prefill without changing
+        anything: a drafter session that will not be needed soon can open later, so that its prefill
+        does not compete with the target's for time to first token."""
+        return self.choose_preview() > 0
+
+    def choose_preview(self) -> int:
+        """The k ``choose`` would pick now, without its side effects (probes are not counted)."""
+        return self.choose(1 << 30)
+
     def close(self) -> None:
         """The session is over (adaptive policies report to their memory here)."""
 
@@ -745,6 +755,15 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         return max(self.base_probe_interval, cap)
 
     # -- policy ------------------------------------------------------------------------------
+
+    def choose_preview(self) -> int:
+        """``initial_k`` with nothing known about costs, otherwise the k of the best expected rate
+        (0 when plain decoding wins: the first probe comes ``probe_interval`` rounds later)."""
+        rates = self.expected_rates(self.max_k) if self.max_k > 0 else None
+        if rates is None:
+            return min(self.initial_k, self.max_k)
+        best = max(range(len(rates)), key=lambda k: (rates[k], -k))
+        return best if rates[best] > rates[0] * (1.0 + self.draft_margin) else 0
 
     def choose(self, max_k: int) -> int:
         bound = min(self.max_k, max_k)

@@ -457,6 +457,11 @@ class RequestTelemetry:
             if draft_model:
                 self.span.set_attribute("specdec.draft.model", draft_model)
 
+    def drafter_opened_at_prefill(self, opened: bool) -> None:
+        """False: the drafter session waits for the first proposal (plain decoding expected)."""
+        if self.span is not None:
+            self.span.set_attribute("specdec.drafter.opened_at_prefill", opened)
+
     def metadata(self):
         return self.tel.outgoing_metadata(self._context_span)
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
+import urllib.request
 import socket
 import subprocess
 import sys
@@ -122,3 +124,11 @@ def start_stack(target: Path | str, draft: Path | str | None, log_dir: Path, *, 
         stack.stop()
         raise
     return stack
+
+
+def scrape_metric(service: "Service", series: str) -> float:
+    """The value of one Prometheus series (name with its labels) on a service's /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=10).read().decode()
+    match = re.search(rf"^{re.escape(series)} ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert match, series
+    return float(match.group(1))

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 import threading
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -20,7 +18,7 @@ from specdec.drafters import ModelDrafter, ScriptedDrafter
 from specdec.kv import KVSession
 from specdec.sampling import DraftProposal, SamplingParams
 from specdec.verification import PrefillChunk, TargetSession, verify_batch
-from tests.harness import start_stack
+from tests.harness import scrape_metric, start_stack
 from tests.test_distribution import assert_first_three_follow_target
 from tests.test_greedy_equality import PROMPTS, corrupting_script, hf_greedy
 
@@ -307,12 +305,6 @@ def test_scheduler_waits_briefly_for_open_sessions():
     assert passes == [["a"], ["b"], ["a"], ["b"]]
 
 
-def _metric(text: str, name: str) -> float:
-    match = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.MULTILINE)
-    assert match, name
-    return float(match.group(1))
-
-
 def test_concurrent_requests_through_the_services_are_batched_and_exact(tiny_pair, tiny_target, tmp_path):
     """Eight concurrent greedy requests through real services: each equals the target alone, and the
     verifier and drafter did serve several sessions per pass (stats and Prometheus metrics); the
@@ -336,11 +328,10 @@ def test_concurrent_requests_through_the_services_are_batched_and_exact(tiny_pai
         assert max(r.stats["mean_batch_size"] for r in results) > 1.5
         assert all(r.stats["verify_queue_wait_s"] >= 0 for r in results)
         for service, role in ((stack.verifiers[0], "verifier"), (stack.drafters[0], "drafter")):
-            text = urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=10).read().decode()
-            passes = _metric(text, f'specdec_batch_size_count{{role="{role}"}}')
-            served = _metric(text, f'specdec_batch_size_sum{{role="{role}"}}')
+            passes = scrape_metric(service, f'specdec_batch_size_count{{role="{role}"}}')
+            served = scrape_metric(service, f'specdec_batch_size_sum{{role="{role}"}}')
             assert served / passes > 1.2, (role, served, passes)
             if role == "verifier":
-                assert _metric(text, 'specdec_prefill_chunks_total{role="verifier"}') > 0
+                assert scrape_metric(service, 'specdec_prefill_chunks_total{role="verifier"}') > 0
     finally:
         stack.stop()

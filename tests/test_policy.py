@@ -305,6 +305,31 @@ def test_warm_start_from_memory_changes_the_first_choice():
     assert len(memory) == 2 and set(memory.summary()) == {str(key), str(other)}
 
 
+def test_expects_to_draft_previews_the_first_choice_without_side_effects():
+    """The gateway asks before prefill whether to open the drafter session at once."""
+    assert FixedDraftLength(3).expects_to_draft() and not FixedDraftLength(0).expects_to_draft()
+    assert HeuristicDraftLength().expects_to_draft()
+    memory = AcceptanceMemory()
+    good, bad = (AcceptanceMemory.make_key(m, "draft", "target") for m in ("draft_model", "ngram"))
+    assert AdaptiveDraftLength(memory=memory, key=good).expects_to_draft()  # nothing known: initial k
+    for key, accepted in ((good, lambda k, i: k), (bad, lambda k, i: 0)):
+        policy = memory.create(key)
+        drive(policy, 40, accepted)
+        policy.close()
+    assert memory.create(good).expects_to_draft()
+    assert not memory.create(bad).expects_to_draft()
+
+    # Asking changes nothing: the same choices (probes included) as a policy never asked.
+    asked, plain = memory.create(bad), memory.create(bad)
+    ks_asked = []
+    for i in range(40):
+        asked.expects_to_draft()
+        ks_asked.append(asked.choose(16))
+        asked.observe(RoundObservation(ks_asked[-1], 0, *costs(ks_asked[-1])))
+    assert ks_asked == drive(plain, 40, lambda k, i: 0)
+    assert asked.probes == plain.probes > 0
+
+
 def test_memory_is_thread_safe_and_bounded():
     memory = AcceptanceMemory(max_entries=4)
 

@@ -8,7 +8,6 @@ import random
 import signal
 import threading
 import time
-import urllib.request
 
 import grpc
 import pytest
@@ -17,7 +16,7 @@ from hypothesis import strategies as st
 
 from specdec.client import AsyncGatewayClient, ChunkEvent, FinalEvent, GatewayClient, build_request
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc, types_pb2
-from tests.harness import start_service, start_stack
+from tests.harness import scrape_metric, start_service, start_stack
 from tests.test_services import active_sessions, reference_greedy
 from tests.tiny_models import build_noisy_copy
 
@@ -28,9 +27,7 @@ def noisy_draft(tiny_pair, tmp_path_factory):
 
 
 def gateway_active(stack) -> float:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{stack.gateway.metrics_port}/metrics", timeout=5).read().decode()
-    line = next(l for l in body.splitlines() if l.startswith('specdec_active_sessions{role="gateway"}'))
-    return float(line.split()[-1])
+    return scrape_metric(stack.gateway, 'specdec_active_sessions{role="gateway"}')
 
 
 def stream_in_thread(address: str, started: threading.Event, outcome: dict, **kwargs) -> threading.Thread:

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2
 
 from specdec.client import ChunkEvent, FinalEvent, GatewayClient, build_request
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from tests.harness import health_status, start_service, start_stack
+from tests.harness import health_status, scrape_metric, start_service, start_stack
 from tests.test_greedy_equality import hf_greedy
 from tests.tiny_models import build_noisy_copy
 
@@ -85,8 +85,10 @@ def test_greedy_through_gateway_equals_target_only(stack, tiny_target, method):
 def test_adaptive_sessions_probe_in_the_shadow_and_stay_exact(tiny_pair, tiny_target, tmp_path):
     """With a draft that never agrees (random weights), adaptive greedy sessions fall back to plain
     decoding and keep measuring acceptance with shadow probes: drafted beside plain rounds, scored
-    against the committed tokens, never verified."""
-    stack = start_stack(tiny_pair[1], tiny_pair[2], tmp_path)
+    against the committed tokens, never verified. Once the gateway has learned that, a session opens
+    its drafter session only at its first probe (none at all if it ends before one)."""
+    stack = start_stack(tiny_pair[1], tiny_pair[2], tmp_path, metrics=True)
+    drafter_sessions = 'specdec_requests_total{role="drafter"}'
     try:
         with GatewayClient(stack.gateway.address, timeout=120) as client:
             probes = 0
@@ -100,6 +102,21 @@ def test_adaptive_sessions_probe_in_the_shadow_and_stay_exact(tiny_pair, tiny_ta
                 # After the first rounds (the initial k), every round verifies nothing: probes ran beside.
                 assert sum(stats["k_history"][8:]) == 0, stats["k_history"]
             assert probes >= 8
+            assert scrape_metric(stack.drafters[0], drafter_sessions) == 4
+
+            # Three tokens: prefill and two plain rounds, fewer than the rounds before a first probe.
+            short = client.generate(prompt=PROMPTS[4], max_new_tokens=3, method="model", num_draft_tokens=0,
+                                    ignore_eos=True)
+            assert short.token_ids == hf_greedy(tiny_target, list(short.prompt_token_ids), 3)
+            assert short.stats["k_history"] == [0, 0] and short.stats["shadow_probes"] == 0
+            assert scrape_metric(stack.drafters[0], drafter_sessions) == 4  # never opened
+
+            late = client.generate(prompt=PROMPTS[5], max_new_tokens=48, method="model", num_draft_tokens=0,
+                                   ignore_eos=True)
+            assert late.token_ids == hf_greedy(tiny_target, list(late.prompt_token_ids), 48)
+            assert late.stats["shadow_probes"] > 0  # the drafter prefilled at the first probe, then caught up
+            assert scrape_metric(stack.drafters[0], drafter_sessions) == 5
+        assert active_sessions(stack.drafters[0].address, "drafter") == 0
     finally:
         stack.stop()
 
