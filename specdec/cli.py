@@ -140,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "bottleneck, so where the two compete for cores (the drafter's prefill beside the "
                          "verifier's, shadow probes beside its passes) the verifier goes first; the drafter "
                          "still has the cores whenever the verifier waits for it (0: equal)")
+    up.add_argument("--drafter-sched", choices=["idle", "normal"], default="idle",
+                    help="Linux scheduling class of the drafter: idle (SCHED_IDLE) never preempts the "
+                         "verifier when it wakes, which even niceness +19 does; the drafter then runs in the "
+                         "gaps between the verifier's passes")
     up.add_argument("--drafter-threads", type=int, default=1,
                     help="CPU threads of the drafter: on one machine its spinning worker threads take cores "
                          "from the verifier's forward passes (0: torch's default, one per core)")
@@ -353,6 +357,19 @@ def _pump(prefix: str, stream) -> None:
         sys.stdout.flush()
 
 
+def _deprioritise(pid: int, nice: int, idle: bool) -> None:
+    """Lower a just-started child below the other services: ``nice`` added to its niceness and, with
+    ``idle``, the SCHED_IDLE class (Linux). Both are per thread; set right after the start, before
+    the child creates its threads, so they inherit them."""
+    if nice:
+        os.setpriority(os.PRIO_PROCESS, pid, os.getpriority(os.PRIO_PROCESS, 0) + nice)
+    if idle and hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+        except OSError as exc:  # not permitted here: niceness alone
+            print(f"[up      ] drafter stays in the normal scheduling class ({exc})", file=sys.stderr)
+
+
 def _up(args) -> int:
     """Start the three services as child processes; Ctrl-C (or SIGTERM) stops them all."""
     from specdec.models import default_draft_model, resolve_model_path
@@ -383,8 +400,8 @@ def _up(args) -> int:
     procs = {}
     for name, cmd in commands.items():
         procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        if name == "drafter" and args.drafter_nice:
-            os.setpriority(os.PRIO_PROCESS, procs[name].pid, os.getpriority(os.PRIO_PROCESS, 0) + args.drafter_nice)
+        if name == "drafter":
+            _deprioritise(procs[name].pid, args.drafter_nice, idle=args.drafter_sched == "idle")
         threading.Thread(target=_pump, args=(f"[{name:8}]", procs[name].stdout), daemon=True).start()
     print(f"[up      ] gateway will listen on {host}:{gateway_port}", flush=True)
     stop = threading.Event()

@@ -3,6 +3,9 @@ cancellation, bad input, health, drain, and the wire size of a round."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -356,3 +359,28 @@ def test_serve_threads_flag_sets_the_model_threads(tiny_pair, tmp_path):
     finally:
         pinned.stop()
         default.stop()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
+def test_up_puts_the_drafter_below_the_verifier_for_all_its_threads():
+    """`specdec up` lowers the drafter right after starting it: niceness and SCHED_IDLE, both per
+    thread on Linux, so the threads the child starts afterwards (torch, gRPC) must inherit them."""
+    from specdec.cli import _deprioritise
+
+    child = subprocess.Popen(
+        [sys.executable, "-c",
+         "import os, sys, threading, time\n"
+         "sys.stdin.readline()\n"  # threads start only once the parent has lowered the process
+         "def report():\n"
+         "    print(os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0), flush=True)\n"
+         "t = threading.Thread(target=report); t.start(); t.join()\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        _deprioritise(child.pid, 7, idle=True)
+        out, _ = child.communicate("go\n", timeout=30)
+    finally:
+        child.kill()
+    policy, nice = (int(v) for v in out.split())
+    assert policy == os.SCHED_IDLE
+    assert nice == min(19, base + 7)
