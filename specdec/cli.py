@@ -140,10 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "bottleneck, so where the two compete for cores (the drafter's prefill beside the "
                          "verifier's, shadow probes beside its passes) the verifier goes first; the drafter "
                          "still has the cores whenever the verifier waits for it (0: equal)")
-    up.add_argument("--drafter-sched", choices=["idle", "normal"], default="idle",
+    up.add_argument("--drafter-sched", choices=["idle", "normal"], default="normal",
                     help="Linux scheduling class of the drafter: idle (SCHED_IDLE) never preempts the "
-                         "verifier when it wakes, which even niceness +19 does; the drafter then runs in the "
-                         "gaps between the verifier's passes")
+                         "verifier when it wakes, but under full load a drafter in it waits seconds for a "
+                         "core; measured no better than niceness +19 on the whole (docs/benchmarks.md)")
     up.add_argument("--drafter-threads", type=int, default=1,
                     help="CPU threads of the drafter: on one machine its spinning worker threads take cores "
                          "from the verifier's forward passes (0: torch's default, one per core)")
