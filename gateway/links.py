@@ -245,8 +245,8 @@ class RemoteDrafter:
     async def close(self) -> None:
         """Let the drafter finish what it owes (a block drafted ahead) and end the session normally;
         a broken stream owes nothing and is cancelled at once."""
-        if self.call is None:
-            return  # never opened
+        if not self.started:
+            return  # never opened: no stream to end
         if self._start_task is not None and not self._start_task.done():
             self._start_task.cancel()
         if self._continue_write is not None:

@@ -268,28 +268,26 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         links = self.link_options
         verifier = MigratingVerifier(self.verifiers, verifier_backend, request_id, prompt_ids, params,
                                      context.time_remaining, metadata, links.net_delay_s)
-        drafter_link, drafter_backend, remote_drafter = None, None, None
-        if method in ("model", "ngram"):
-            # A drafter service of that method if one runs; n-gram lookup can also run right here.
-            drafter_backend = self.drafters.pick(method)
+        # A drafter service of that method if one runs; n-gram lookup can also run right here.
+        drafter_backend = self.drafters.pick(method) if method in ("model", "ngram") else None
+        drafter_link, remote_drafter = None, None
         draft_model = drafter_backend.info.model.model if drafter_backend is not None else ""
         policy = make_policy(k, memory=self.acceptance_memory, max_k=self.limits.max_draft_tokens,
                              key=AcceptanceMemory.make_key(method, draft_model, verifier_backend.info.model.model),
                              forward_curve=list(verifier_backend.info.forward_cost_s) or None)
-        if method in ("model", "ngram"):
-            if drafter_backend is not None:
-                drafter_backend.in_flight += 1
-                remote_drafter = RemoteDrafter(drafter_backend.stub, request_id, prompt_ids, params, context.time_remaining, metadata,
-                                               net_delay_s=links.net_delay_s)
-                if policy.expects_to_draft():
-                    # The drafter's prefill overlaps the verifier's. When plain decoding is expected
-                    # to win (what this draft pair measured before), the session opens at the first
-                    # proposal instead: its prefill then cannot delay the first token.
-                    remote_drafter.begin()
-                obs.drafter_opened_at_prefill(remote_drafter.started)
-                drafter_link = remote_drafter
-            elif method == "ngram":
-                drafter_link = LocalDrafter(NgramDrafter().start(prompt_ids, params))
+        if drafter_backend is not None:
+            drafter_backend.in_flight += 1
+            remote_drafter = RemoteDrafter(drafter_backend.stub, request_id, prompt_ids, params,
+                                           context.time_remaining, metadata, net_delay_s=links.net_delay_s)
+            if policy.expects_to_draft():
+                # The drafter's prefill overlaps the verifier's. When plain decoding is expected to
+                # win (what this draft pair measured before), the session opens at the first
+                # proposal instead: its prefill then cannot delay the first token.
+                remote_drafter.begin()
+            obs.drafter_opened_at_prefill(remote_drafter.started)
+            drafter_link = remote_drafter
+        elif method == "ngram":
+            drafter_link = LocalDrafter(NgramDrafter().start(prompt_ids, params))
         obs.links(verifier, drafter_link, verifier_backend.address,
                   drafter_backend.address if drafter_backend is not None else None,
                   (drafter_backend.info.model.model or None) if drafter_backend is not None else None)

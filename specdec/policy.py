@@ -52,12 +52,9 @@ class DraftLengthPolicy(ABC):
     def expects_to_draft(self) -> bool:
         """Whether the first rounds will likely draft (k > 0), asked before prefill without changing
         anything: a drafter session that will not be needed soon can open later, so that its prefill
-        does not compete with the target's for time to first token."""
-        return self.choose_preview() > 0
-
-    def choose_preview(self) -> int:
-        """The k ``choose`` would pick now, without its side effects (probes are not counted)."""
-        return self.choose(1 << 30)
+        does not compete with the target's for time to first token. (Policies whose ``choose`` has
+        side effects override this.)"""
+        return self.choose(1 << 30) > 0
 
     def close(self) -> None:
         """The session is over (adaptive policies report to their memory here)."""
@@ -756,14 +753,20 @@ class AdaptiveDraftLength(DraftLengthPolicy):
 
     # -- policy ------------------------------------------------------------------------------
 
-    def choose_preview(self) -> int:
-        """``initial_k`` with nothing known about costs, otherwise the k of the best expected rate
-        (0 when plain decoding wins: the first probe comes ``probe_interval`` rounds later)."""
-        rates = self.expected_rates(self.max_k) if self.max_k > 0 else None
-        if rates is None:
-            return min(self.initial_k, self.max_k)
-        best = max(range(len(rates)), key=lambda k: (rates[k], -k))
+    def _best_k(self, rates: list[float]) -> int:
+        """The k >= 1 of the best expected rate (ties to the shorter), or 0 unless it beats plain
+        decoding by more than ``draft_margin``."""
+        best = max(range(1, len(rates)), key=lambda k: (rates[k], -k))
         return best if rates[best] > rates[0] * (1.0 + self.draft_margin) else 0
+
+    def expects_to_draft(self) -> bool:
+        """``choose``'s rule without its bookkeeping: ``initial_k`` with nothing known about costs,
+        otherwise the best expected rate (plain decoding winning means no draft before the first
+        probe, ``probe_interval`` rounds later)."""
+        if self.max_k <= 0:
+            return False
+        rates = self.expected_rates(self.max_k)
+        return self.initial_k > 0 if rates is None else self._best_k(rates) > 0
 
     def choose(self, max_k: int) -> int:
         bound = min(self.max_k, max_k)
@@ -775,9 +778,7 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         if rates is None:
             self._kind = "initial"
             return min(self.initial_k, bound)
-        best = max(range(1, bound + 1), key=lambda k: (rates[k], -k))
-        if rates[best] <= rates[0] * (1.0 + self.draft_margin):
-            best = 0
+        best = self._best_k(rates)
         if best == 0:
             if self._shadow_pending:  # one probe at a time
                 self._kind = "zero"

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import re
 import signal
-import urllib.request
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,9 +126,13 @@ def start_stack(target: Path | str, draft: Path | str | None, log_dir: Path, *, 
     return stack
 
 
+def metrics_text(service: "Service") -> str:
+    """A service's Prometheus /metrics page."""
+    return urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=10).read().decode()
+
+
 def scrape_metric(service: "Service", series: str) -> float:
     """The value of one Prometheus series (name with its labels) on a service's /metrics."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=10).read().decode()
-    match = re.search(rf"^{re.escape(series)} ([0-9.e+-]+)$", text, re.MULTILINE)
+    match = re.search(rf"^{re.escape(series)} ([0-9.e+-]+)$", metrics_text(service), re.MULTILINE)
     assert match, series
     return float(match.group(1))

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2
 
 from specdec.client import ChunkEvent, FinalEvent, GatewayClient, build_request
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from tests.harness import health_status, scrape_metric, start_service, start_stack
+from tests.harness import health_status, metrics_text, scrape_metric, start_service, start_stack
 from tests.test_greedy_equality import hf_greedy
 from tests.tiny_models import build_noisy_copy
 
@@ -263,15 +263,13 @@ def test_internal_streams_reject_bad_messages(stack):
 
 
 def test_metrics_endpoint_counts(stack):
-    import urllib.request
-
     with GatewayClient(stack.gateway.address, timeout=30) as client:
         client.generate(prompt="the", max_new_tokens=5, ignore_eos=True, method="model", num_draft_tokens=2)
     for service in (stack.gateway, stack.verifiers[0], stack.drafters[0]):
-        body = urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=5).read().decode()
+        body = metrics_text(service)
         assert "specdec_active_sessions" in body
         assert "specdec_requests_total" in body
-    gateway_body = urllib.request.urlopen(f"http://127.0.0.1:{stack.gateway.metrics_port}/metrics", timeout=5).read().decode()
+    gateway_body = metrics_text(stack.gateway)
     assert "specdec_accepted_tokens_total" in gateway_body
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.request
 from collections import defaultdict
 from concurrent import futures
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from specdec.client import ChunkEvent, GatewayClient
 from specdec.telemetry import MAX_ROUND_SPANS, MAX_SPANS_PER_REQUEST
-from tests.harness import start_stack
+from tests.harness import metrics_text, start_stack
 
 GATEWAY, DRAFTER, VERIFIER = "specdec-gateway", "specdec-drafter", "specdec-verifier"
 
@@ -301,7 +300,7 @@ def test_genai_metrics_over_otlp_and_prometheus(traced, receiver):
     while time.monotonic() < deadline and not wanted <= set(receiver.metrics):
         time.sleep(0.2)
     assert wanted <= set(receiver.metrics), wanted - set(receiver.metrics)
-    text = urllib.request.urlopen(f"http://127.0.0.1:{stack.gateway.metrics_port}/metrics", timeout=5).read().decode()
+    text = metrics_text(stack.gateway)
     for series in ("gen_ai_server_time_to_first_token_seconds_count", "gen_ai_server_time_per_output_token_seconds_count",
                    "gen_ai_server_request_duration_seconds_count", "specdec_acceptance_rate_count",
                    "specdec_accepted_length_count", "specdec_draft_length_count",
