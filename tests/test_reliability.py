@@ -204,7 +204,9 @@ def test_fuzzed_requests_end_in_a_stream_or_invalid_argument(stack):
 
     check()
     channel.close()
-    assert outcomes["ok"] > 100 and outcomes["invalid"] > 100, outcomes
+    # Both kinds must be exercised in numbers. Not tighter: with this strategy and Hypothesis 6.170 the
+    # 500 examples split 108 streams / 392 refusals, and another Hypothesis version may draw a different mix.
+    assert outcomes["ok"] >= 50 and outcomes["invalid"] >= 50, outcomes
     for service in stack.all:
         assert service.proc.poll() is None, f"{service.name} died:\n{service.log()}"
 
