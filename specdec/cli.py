@@ -155,9 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train-draft", help="distil a draft model from a target (data, then training)",
                            description="Steps of the recipe behind the shipped draft (see its model card): "
-                                       "'data' has the target answer offline prompts, 'train' distils the draft, "
+                                       "'queries' has the target write user requests (Magpie), 'data' has the target answer "
+                                       "offline prompts (or those requests), 'train' distils the draft, "
                                        "'eval' measures greedy acceptance. Each step's --help lists its options.")
-    train.add_argument("step", choices=["data", "train", "eval"])
+    train.add_argument("step", choices=["queries", "data", "train", "eval"])
     train.add_argument("step_args", nargs=argparse.REMAINDER)
 
     sim = sub.add_parser("sim", help="simulate draft-length policies (no models)")
@@ -426,9 +427,10 @@ def _up(args) -> int:
 
 
 def _train_draft(args) -> int:
-    from specdec.distill import evaluate, generate, train
+    from specdec.distill import evaluate, generate, queries, train
 
-    return {"data": generate.main, "train": train.main, "eval": evaluate.main}[args.step](args.step_args)
+    steps = {"queries": queries.main, "data": generate.main, "train": train.main, "eval": evaluate.main}
+    return steps[args.step](args.step_args)
 
 
 def _sim(args) -> int:

@@ -10,12 +10,13 @@ import random
 import pytest
 import torch
 
-from specdec.distill import generate, train
+from specdec.distill import generate, queries, train
 from specdec.distill.generate import read_shards
 from specdec.drafters import ModelDrafter
 from specdec.engine import collect, run_sync
 from specdec.local import LocalEngine
 from specdec.models import HEAD_TOKEN_IDS_FILE, check_compatible, load_model
+from specdec.prompts import encode_chat
 from specdec.sampling import SamplingParams
 from tests.test_greedy_equality import hf_greedy
 
@@ -125,3 +126,44 @@ def test_positions_whose_top_k_lies_outside_the_draft_head_stay_out_of_the_loss(
     assert torch.isfinite(loss) and info["kd"] > 0
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_the_target_writes_user_requests_that_resume_and_feed_the_answers(tiny_pair, tiny_target, tmp_path):
+    _, target_dir, _ = tiny_pair
+    out = tmp_path / "queries"
+    base = ["--out", str(out), "--target", str(target_dir), "--batch-size", "16", "--max-new-tokens", "48",
+            "--threads", "1", "--dtype", "float32"]
+    assert queries.main([*base, "--count", "6"]) == 0
+    first = queries.read_queries(out / "queries.jsonl")
+    assert len(first) == 6
+    assert queries.main([*base, "--count", "10"]) == 0  # resumes: the first six stay, four more, no repeats
+    kept = queries.read_queries(out / "queries.jsonl")
+    assert kept[:6] == first and len(kept) == 10
+    assert len({" ".join(queries._words(text)) for text in kept}) == 10
+
+    # The requests are sampled where the chat template opens a user turn.
+    prefix = tiny_target.tokenizer.decode(queries.user_turn_prefix(tiny_target.tokenizer))
+    rendered = tiny_target.tokenizer.decode(encode_chat(tiny_target.tokenizer, [("user", "hello there")]))
+    assert rendered.startswith(prefix) and rendered[len(prefix):].startswith("hello there")
+
+    data = tmp_path / "answers"
+    _generate(target_dir, data, "--queries", str(out / "queries.jsonl"))
+    records = read_shards(data)
+    assert len(records) == 10 and {r["source"] for r in records} == {"self-instruct"}
+    assert all(r["chat"] for r in records)
+
+
+def test_requests_overlapping_a_benchmark_prompt_are_dropped():
+    from specdec.bench import load_prompts
+
+    n = 8
+    question = load_prompts("mt_bench")[0].turns[0]
+    keep = queries.QueryFilter(queries.benchmark_ngrams(n), n)
+    copied = "Please help: " + " ".join(question.split()[:n + 2]) + " thanks"
+    assert not keep.keep(copied, 30, True)
+    assert keep.rejected == {"benchmark overlap": 1}
+    assert keep.keep("What is the best way to prepare for a marathon?", 12, True)
+    assert not keep.keep("what is the best way to prepare for a MARATHON", 12, True)  # a repeat, up to case
+    assert not keep.keep("Tell me about", 3, True)  # too short
+    assert not keep.keep("An unfinished request about", 20, False)
+    assert keep.rejected == {"benchmark overlap": 1, "repeat": 1, "length": 1, "unfinished": 1}

@@ -142,6 +142,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--follow-ups-from", type=Path, default=None,
                    help="second turns: follow-up requests after the target's own answers in these shards")
+    p.add_argument("--queries", type=Path, default=None,
+                   help="answer the user requests in this queries.jsonl (from 'train-draft queries') instead of "
+                        "the built-in prompt templates")
     p.add_argument("--exclude", type=Path, action="append", default=[],
                    help="skip prompts already answered in these shard directories (to grow a data set)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
@@ -158,6 +161,11 @@ def main(argv=None) -> int:
     if args.follow_ups_from:
         encoded = follow_up_prompts(args.follow_ups_from, lm.tokenizer, args.prompts, args.seed)
         batches = plan_batches([], lm.tokenizer, args.batch_size, args.max_prompt_tokens + 256, encoded)
+    elif args.queries:
+        from specdec.distill.queries import read_queries
+
+        prompts = [TrainingPrompt("self-instruct", text, True) for text in read_queries(args.queries)[: args.prompts]]
+        batches = plan_batches(prompts, lm.tokenizer, args.batch_size, args.max_prompt_tokens)
     else:
         prompts = build_prompts(args.prompts, seed=args.seed)
         batches = plan_batches(prompts, lm.tokenizer, args.batch_size, args.max_prompt_tokens)
