@@ -30,11 +30,13 @@ up: setup
 sim: setup
 	$(VENV)/bin/specdec sim
 
-# The recipe of the shipped draft (specdec/drafts/smollm2-135m-draft/README.md), in two stages. Stage 1:
+# The recipe of the shipped draft (specdec/drafts/smollm2-135m-draft/README.md), in three stages. Stage 1:
 # the target answers offline prompts (then follow-up turns) and a draft is distilled from scratch.
 # Stage 2: more answers to prompts stage 1 never used (bfloat16, --exclude), and the stage-1 draft
-# trains on everything, held out on the new data only. Resumable: rerun to continue. TRAIN_DIR holds
-# the data and checkpoints; the *_BATCHES and *_MINUTES knobs size each step.
+# trains on everything, held out on the new data only. Stage 3: the target writes user requests itself
+# (Magpie, decontaminated against the benchmarks), answers them and follow-ups to them, plus a little
+# template replay; the stage-2 draft trains on that. Resumable: rerun to continue. TRAIN_DIR holds
+# the data and checkpoints; the *_BATCHES, *_MINUTES and QUERIES knobs size each step.
 TRAIN_DIR ?= distill-work
 GEN_BATCHES ?= 41
 FOLLOW_UP_BATCHES ?= 4
@@ -42,6 +44,8 @@ TRAIN_MINUTES ?= 55
 GEN2_BATCHES ?= 26
 FOLLOW_UP2_BATCHES ?= 5
 TRAIN2_MINUTES ?= 45
+QUERIES ?= 1600
+TRAIN3_MINUTES ?= 30
 SPECDEC_DISTILL = $(VENV)/bin/specdec train-draft
 train-draft: setup
 	$(SPECDEC_DISTILL) data --out $(TRAIN_DIR)/data --prompts 6000 --batch-size 64 --max-batches $(GEN_BATCHES) \
@@ -57,7 +61,18 @@ train-draft: setup
 	$(SPECDEC_DISTILL) train --data $(TRAIN_DIR)/data --data $(TRAIN_DIR)/follow-ups --data $(TRAIN_DIR)/data2 \
 		--data $(TRAIN_DIR)/follow-ups2 --holdout-from $(TRAIN_DIR)/data2 --holdout-from $(TRAIN_DIR)/follow-ups2 \
 		--holdout 96 --init-from $(TRAIN_DIR)/draft-stage1 --lr 1e-3 --warmup 50 --steps 10000 \
-		--out $(TRAIN_DIR)/train2 --max-minutes $(TRAIN2_MINUTES) --export $(TRAIN_DIR)/draft
+		--out $(TRAIN_DIR)/train2 --max-minutes $(TRAIN2_MINUTES) --export $(TRAIN_DIR)/draft-stage2
+	$(SPECDEC_DISTILL) queries --out $(TRAIN_DIR)/queries --count $(QUERIES) --batch-size 128 --max-new-tokens 96
+	$(SPECDEC_DISTILL) data --out $(TRAIN_DIR)/self-instruct --queries $(TRAIN_DIR)/queries/queries.jsonl \
+		--prompts $(QUERIES) --batch-size 128
+	$(SPECDEC_DISTILL) data --out $(TRAIN_DIR)/self-instruct-follow-ups --follow-ups-from $(TRAIN_DIR)/self-instruct \
+		--prompts 256 --batch-size 128 --max-batches 2 --seed 3
+	$(SPECDEC_DISTILL) data --out $(TRAIN_DIR)/replay --prompts 6000 --batch-size 128 --max-batches 2 --seed 7
+	$(SPECDEC_DISTILL) train --data $(TRAIN_DIR)/self-instruct --data $(TRAIN_DIR)/self-instruct-follow-ups \
+		--data $(TRAIN_DIR)/replay --holdout-from $(TRAIN_DIR)/self-instruct \
+		--holdout-from $(TRAIN_DIR)/self-instruct-follow-ups --holdout 96 --init-from $(TRAIN_DIR)/draft-stage2 \
+		--lr 7e-4 --warmup 30 --steps 10000 --out $(TRAIN_DIR)/train3 --max-minutes $(TRAIN3_MINUTES) \
+		--export $(TRAIN_DIR)/draft
 
 protos: setup
 	$(PY) -m specdec.protogen
