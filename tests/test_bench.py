@@ -100,6 +100,26 @@ def test_bound_flat_verify_cost(alpha, c, best_k, bound):
     assert 3.08 < bench.speedup_bound([1.0] * 16, 0.05, alpha=0.8)["bound"] < 3.1
 
 
+def test_bound_acceptance_counts_shadow_probes_at_the_first_position():
+    # Seen in a real run: the adaptive policy verified 51 drafts (all accepted) and probed 90 times in the
+    # shadow (33 matched): the drafts alone gave alpha = 1 and a 4x bound.
+    rare = {"acceptance_rate": 1.0, "per_position_drafted": [4, 4, 4], "per_position_acceptance": [1.0, 1.0, 1.0],
+            "shadow_probes": 90, "shadow_accepted": 33}
+    est = bench.bound_acceptance(rare)
+    assert est["alphas_by_position"] == [pytest.approx(37 / 94)] and est["alpha"] == pytest.approx(37 / 94)
+    assert est["first_position_samples"] == {"drafted_rounds": 4, "shadow_probes": 90, "accepted": 37,
+                                             "alpha": pytest.approx(37 / 94)}
+    # Enough verified drafts: the later positions keep their conditional rates; probes refine position 1.
+    busy = {"acceptance_rate": 0.5, "per_position_drafted": [100, 50], "per_position_acceptance": [0.6, 0.3],
+            "shadow_probes": 100, "shadow_accepted": 40}
+    est = bench.bound_acceptance(busy)
+    assert est["alphas_by_position"] == [pytest.approx(0.5), pytest.approx(0.5)]
+    assert est["alpha"] == pytest.approx((0.5 * 200 + 0.5 * 50) / 250)
+    # No probes: as before.
+    assert bench.bound_acceptance({**busy, "shadow_probes": 0})["alphas_by_position"] == [
+        pytest.approx(0.6), pytest.approx(0.5)]
+
+
 def test_bound_with_growing_verify_cost_and_positions():
     # t_verify(k) = 1 + 0.1 k, free drafts, alpha 0.5: k=2 gives 1.75 / 1.2
     result = bench.speedup_bound([1.0 + 0.1 * k for k in range(16)], 0.0, alpha=0.5)
