@@ -139,7 +139,7 @@ def test_the_target_writes_user_requests_that_resume_and_feed_the_answers(tiny_p
     assert queries.main([*base, "--count", "10"]) == 0  # resumes: the first six stay, four more, no repeats
     kept = queries.read_queries(out / "queries.jsonl")
     assert kept[:6] == first and len(kept) == 10
-    assert len({" ".join(queries._words(text)) for text in kept}) == 10
+    assert len({queries.repeat_key(text) for text in kept}) == 10
 
     # The requests are sampled where the chat template opens a user turn.
     prefix = tiny_target.tokenizer.decode(queries.user_turn_prefix(tiny_target.tokenizer))

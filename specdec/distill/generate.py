@@ -161,13 +161,13 @@ def main(argv=None) -> int:
     if args.follow_ups_from:
         encoded = follow_up_prompts(args.follow_ups_from, lm.tokenizer, args.prompts, args.seed)
         batches = plan_batches([], lm.tokenizer, args.batch_size, args.max_prompt_tokens + 256, encoded)
-    elif args.queries:
-        from specdec.distill.queries import read_queries
-
-        prompts = [TrainingPrompt("self-instruct", text, True) for text in read_queries(args.queries)[: args.prompts]]
-        batches = plan_batches(prompts, lm.tokenizer, args.batch_size, args.max_prompt_tokens)
     else:
-        prompts = build_prompts(args.prompts, seed=args.seed)
+        if args.queries:
+            from specdec.distill.queries import read_queries
+
+            prompts = [TrainingPrompt("self-instruct", text, True) for text in read_queries(args.queries)[: args.prompts]]
+        else:
+            prompts = build_prompts(args.prompts, seed=args.seed)
         batches = plan_batches(prompts, lm.tokenizer, args.batch_size, args.max_prompt_tokens)
     if args.exclude:
         done = answered_prompts(args.exclude)

@@ -54,6 +54,11 @@ def _words(text: str) -> list[str]:
     return re.findall(r"[a-z0-9]+", text.lower())
 
 
+def repeat_key(text: str) -> str:
+    """What two requests share when one repeats the other (case, punctuation and spacing aside)."""
+    return " ".join(_words(text))
+
+
 def word_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
     words = _words(text)
     return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
@@ -82,9 +87,13 @@ class QueryFilter:
         self.seen: set[str] = set()
         self.rejected: dict[str, int] = {}
 
+    def remember(self, text: str) -> None:
+        """Count ``text`` as kept already (a resumed run's earlier requests)."""
+        self.seen.add(repeat_key(text))
+
     def keep(self, text: str, num_tokens: int, finished: bool) -> bool:
         reason = None
-        key = " ".join(_words(text))
+        key = repeat_key(text)
         if not finished:
             reason = "unfinished"
         elif not self.min_tokens <= num_tokens <= self.max_tokens or not key:
@@ -152,7 +161,7 @@ def main(argv=None) -> int:
     keep = QueryFilter(benchmark_ngrams(args.decontaminate_words), args.decontaminate_words,
                        max_tokens=args.max_new_tokens)
     for text in kept:
-        keep.seen.add(" ".join(_words(text)))
+        keep.remember(text)
     prefixes = [user_turn_prefix(lm.tokenizer, system) for system in STEERING_SYSTEM_PROMPTS]
     bar = tqdm(total=args.count, initial=min(len(kept), args.count), desc="user requests", unit="request")
     batch_index = len(kept)  # a resumed run draws different seeds
