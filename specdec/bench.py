@@ -929,6 +929,7 @@ def run_bench(args) -> dict:
     progress = not args.no_progress
     runners: dict[str, Runner] = {}
     durations: dict[str, float] = {}
+    round_rates: dict[str, list[float]] = {}  # output tokens/s of each round, per system
     rounds = effective_rounds(args.rounds, len(conversations), args.concurrency)
     try:
         for spec in systems:
@@ -952,6 +953,8 @@ def run_bench(args) -> dict:
                     record.system = spec.name
                 all_records.setdefault(spec.name, []).extend(records)
                 durations[spec.name] = durations.get(spec.name, 0.0) + duration
+                round_rates.setdefault(spec.name, []).append(
+                    sum(r.output_tokens for r in records if r.error is None) / duration if duration > 0 else 0.0)
         for spec in measured:
             records = all_records[spec.name]
             summary = summarize_records(records, durations[spec.name])
@@ -960,6 +963,7 @@ def run_bench(args) -> dict:
                 summary["num_draft_tokens"] = spec.num_draft_tokens
                 summary["method"] = spec.method
             summary["per_category"] = summarize_by_category(records)
+            summary["round_tokens_per_s"] = round_rates[spec.name]
             summaries[spec.name] = summary
             first_error = next((r.error for r in records if r.error), None)
             if first_error:
@@ -999,6 +1003,8 @@ def run_bench(args) -> dict:
         "systems": summaries,
         "skipped": skipped,
         "speedup": speedup,
+        # The headline ratio's spread over the interleaved rounds (None with one round).
+        "spec_vs_baseline_by_round": paired_round_ratios(summaries, spec_reference(summaries)) if rounds > 1 else None,
         "bound": bound,
     }
     from specdec import bench_plots
@@ -1040,6 +1046,28 @@ def compute_speedups(summaries: dict) -> dict:
             out[f"{name}_vs_baseline"] = ratio(tps(name), tps("baseline"))
     out["ahead_vs_noahead"] = ratio(tps("spec-ahead"), tps("spec-noahead"))
     return out
+
+
+def paired_round_ratios(summaries: dict, a: str | None, b: str = "baseline") -> dict | None:
+    """``a`` / ``b`` tokens/s within each interleaved round (the same requests, run back to back),
+    and their spread: on a machine whose speed drifts, the rounds' ratios show how far the one
+    aggregate ratio can be trusted. ``mean`` and ``stderr`` are of the per-round ratios (stderr None
+    for one round); None unless both systems ran."""
+    if a not in summaries or b not in summaries:
+        return None
+    ratios = [x / y for x, y in zip(summaries[a]["round_tokens_per_s"], summaries[b]["round_tokens_per_s"]) if y > 0]
+    if not ratios:
+        return None
+    n = len(ratios)
+    mean = sum(ratios) / n
+    stderr = math.sqrt(sum((r - mean) ** 2 for r in ratios) / (n - 1) / n) if n > 1 else None
+    return {"pair": [a, b], "ratios": ratios, "mean": mean, "stderr": stderr, "min": min(ratios), "max": max(ratios)}
+
+
+def format_round_ratios(by_round: dict) -> str:
+    """``0.96, 1.04, 0.95 (mean 0.983 ± 0.028 s.e.)``"""
+    spread = f" ± {by_round['stderr']:.3f} s.e." if by_round.get("stderr") is not None else ""
+    return ", ".join(f"{r:.2f}" for r in by_round["ratios"]) + f" (mean {by_round['mean']:.3f}{spread})"
 
 
 def bound_acceptance(summary: dict) -> dict:
@@ -1211,6 +1239,9 @@ def render_report(summary: dict) -> str:
     for key, value in speed.items():
         lines.append(f"| {key} | {_fmt(value, digits=3)} |")
     lines.append("")
+    if by_round := summary.get("spec_vs_baseline_by_round"):
+        lines += [f"{by_round['pair'][0]} / {by_round['pair'][1]} within each interleaved round: "
+                  f"{format_round_ratios(by_round)}", ""]
 
     lines += ["## Analytic bound", ""]
     if bound.get("bound") is not None:
@@ -1309,6 +1340,7 @@ def run_sweep(args) -> dict:
         "systems": {name: [{"concurrency": level, **{f: runs[level]["systems"].get(name, {}).get(f) for f in SCALING_FIELDS}}
                            for level in levels] for name in systems},
         "spec_vs_baseline": [runs[level]["speedup"].get("spec_vs_baseline") for level in levels],
+        "spec_vs_baseline_by_round": [runs[level].get("spec_vs_baseline_by_round") for level in levels],
     }
     for name, points in sweep["systems"].items():
         first = points[0]["tokens_per_s"]
@@ -1340,8 +1372,15 @@ def render_sweep(sweep: dict) -> str:
                          f"| {p['errors']} |")
     lines += ["", "| concurrency | " + " | ".join(map(str, sweep["levels"])) + " |",
               "|---|" + "---:|" * len(sweep["levels"]),
-              "| spec / baseline | " + " | ".join(_fmt(v, digits=3) for v in sweep["spec_vs_baseline"]) + " |", "",
-              f"![concurrency scaling]({sweep['plot']})", ""]
+              "| spec / baseline | " + " | ".join(_fmt(v, digits=3) for v in sweep["spec_vs_baseline"]) + " |"]
+    by_round = sweep.get("spec_vs_baseline_by_round") or []
+    if any(by_round):
+        lines += ["| per round: min – max | " + " | ".join(
+                      f"{b['min']:.2f} – {b['max']:.2f}" if b else "–" for b in by_round) + " |",
+                  "| per round: mean ± s.e. | " + " | ".join(
+                      (f"{b['mean']:.3f} ± {b['stderr']:.3f}" if b.get("stderr") is not None else f"{b['mean']:.3f}")
+                      if b else "–" for b in by_round) + " |"]
+    lines += ["", f"![concurrency scaling]({sweep['plot']})", ""]
     return "\n".join(lines)
 
 
@@ -1371,4 +1410,6 @@ def main(args) -> int:
     sp = {k: v for k, v in summary["speedup"].items() if v is not None}
     if sp:
         print("  speedup: " + ", ".join(f"{k} {v:.3f}" for k, v in sp.items()))
+    if by_round := summary.get("spec_vs_baseline_by_round"):
+        print(f"  {by_round['pair'][0]}/{by_round['pair'][1]} by round: {format_round_ratios(by_round)}")
     return 1 if any(s["errors"] for s in summary["systems"].values()) else 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import numpy as np
 import pytest
@@ -271,6 +272,36 @@ def test_bench_rounds_interleave_systems_with_the_same_requests(tiny_pair, promp
         assert interleaved["systems"][name]["requests"] == 4 and interleaved["systems"][name]["errors"] == 0
     assert texts == plain_texts
     assert len(set(texts.values())) > 2  # sampled: the texts differ, so equal texts mean equal seeds
+    # The headline ratio's spread: one ratio per round, from each system's own rounds.
+    assert plain["spec_vs_baseline_by_round"] is None
+    by_round = interleaved["spec_vs_baseline_by_round"]
+    spec_rounds, base_rounds = (interleaved["systems"][n]["round_tokens_per_s"] for n in ("spec-k=3", "baseline"))
+    assert by_round["pair"] == ["spec-k=3", "baseline"] and len(spec_rounds) == len(base_rounds) == 3
+    assert by_round["ratios"] == pytest.approx([s / b for s, b in zip(spec_rounds, base_rounds)])
+    assert by_round["min"] <= by_round["mean"] <= by_round["max"] and by_round["stderr"] >= 0
+
+
+def test_paired_round_ratios_and_their_spread_in_the_sweep_table():
+    summaries = {"spec": {"round_tokens_per_s": [10.0, 12.0, 9.0]},
+                 "baseline": {"round_tokens_per_s": [10.0, 10.0, 10.0]}}
+    by_round = bench.paired_round_ratios(summaries, "spec")
+    assert by_round["ratios"] == pytest.approx([1.0, 1.2, 0.9])
+    assert by_round["mean"] == pytest.approx(31 / 30)
+    assert by_round["stderr"] == pytest.approx(statistics.stdev([1.0, 1.2, 0.9]) / math.sqrt(3))
+    assert (by_round["min"], by_round["max"]) == (0.9, 1.2)
+    assert bench.paired_round_ratios(summaries, "inprocess") is None
+    assert bench.paired_round_ratios({"spec": {"round_tokens_per_s": [5.0]}, "baseline": {"round_tokens_per_s": [4.0]}},
+                               "spec")["stderr"] is None
+    assert bench.format_round_ratios(by_round) == "1.00, 1.20, 0.90 (mean 1.033 ± 0.088 s.e.)"
+    point = {"concurrency": 1, "tokens_per_s": 1.0, "scaling_vs_first_level": 1.0, "ttft_p50_s": 0.1,
+             "tpot_p50_s": 0.1, "mean_accepted_length": None, "k_mean": None, "mean_batch_size": 1.0, "errors": 0}
+    sweep = {"levels": [1, 2], "config": {"prompts": "p", "limit": 2, "requests_per_system": 3, "max_new_tokens": 8,
+                                          "temperature": 0.0},
+             "systems": {"spec": [point, {**point, "concurrency": 2}]}, "spec_vs_baseline": [1.033, 0.98],
+             "spec_vs_baseline_by_round": [by_round, None], "plot": "concurrency_scaling.png"}
+    table = bench.render_sweep(sweep)
+    assert "| per round: min – max | 0.90 – 1.20 | – |" in table
+    assert "| per round: mean ± s.e. | 1.033 ± 0.088 | – |" in table
 
 
 def test_bench_local_skips_assisted_without_draft(tiny_pair, prompt_file, tmp_path):
