@@ -201,7 +201,15 @@ def plot_concurrency_scaling(path: Path, sweep: dict) -> str:
     left.legend(fontsize=8)
     ratios = sweep.get("spec_vs_baseline") or []
     if any(r is not None for r in ratios):
-        right.plot(levels, [r if r is not None else float("nan") for r in ratios], marker="o", color="C3")
+        right.plot(levels, [r if r is not None else float("nan") for r in ratios], marker="o", color="C3",
+                   label="whole run")
+        # Each interleaved round's own ratio: the spread the machine's drift leaves on the whole-run figure.
+        by_round = sweep.get("spec_vs_baseline_by_round") or []
+        scatter = [(level, r) for level, b in zip(levels, by_round) if b for r in b["ratios"]]
+        if scatter:
+            right.scatter([x for x, _ in scatter], [y for _, y in scatter], s=14, color="C3", alpha=0.35,
+                          label="each round")
+            right.legend(fontsize=8)
         right.axhline(1.0, color="0.3", lw=1, ls="--")
         right.set_xscale("log", base=2)
         right.set_xticks(levels, [str(level) for level in levels])

@@ -281,7 +281,7 @@ def test_bench_rounds_interleave_systems_with_the_same_requests(tiny_pair, promp
     assert by_round["min"] <= by_round["mean"] <= by_round["max"] and by_round["stderr"] >= 0
 
 
-def test_paired_round_ratios_and_their_spread_in_the_sweep_table():
+def test_paired_round_ratios_and_their_spread_in_the_sweep_table(tmp_path):
     summaries = {"spec": {"round_tokens_per_s": [10.0, 12.0, 9.0]},
                  "baseline": {"round_tokens_per_s": [10.0, 10.0, 10.0]}}
     by_round = bench.paired_round_ratios(summaries, "spec")
@@ -302,6 +302,11 @@ def test_paired_round_ratios_and_their_spread_in_the_sweep_table():
     table = bench.render_sweep(sweep)
     assert "| per round: min – max | 0.90 – 1.20 | – |" in table
     assert "| per round: mean ± s.e. | 1.033 ± 0.088 | – |" in table
+    from specdec import bench_plots
+
+    sweep["systems"]["baseline"] = sweep["systems"]["spec"]
+    assert bench_plots.plot_concurrency_scaling(tmp_path / "scaling.png", sweep) == "scaling.png"
+    assert (tmp_path / "scaling.png").read_bytes()[:8] == PNG_MAGIC
 
 
 def test_bench_local_skips_assisted_without_draft(tiny_pair, prompt_file, tmp_path):
