@@ -608,6 +608,13 @@ def fit_verify_cost(samples: Sequence[tuple[int, float, float]]) -> tuple[float,
     return float(a), float(b)
 
 
+def output_tokens_per_s(records: Sequence[RequestRecord], duration_s: float) -> float:
+    """Output tokens of the completed requests over the wall time that ran them (a system's
+    ``tokens_per_s``, and each interleaved round's)."""
+    tokens = sum(r.output_tokens for r in records if r.error is None)
+    return tokens / duration_s if duration_s > 0 else 0.0
+
+
 def summarize_records(records: Sequence[RequestRecord], duration_s: float) -> dict:
     ok = [r for r in records if r.error is None]
     tokens = sum(r.output_tokens for r in ok)
@@ -621,7 +628,7 @@ def summarize_records(records: Sequence[RequestRecord], duration_s: float) -> di
         "errors": len(records) - len(ok),
         "output_tokens": tokens,
         "duration_s": duration_s,
-        "tokens_per_s": tokens / duration_s if duration_s > 0 else 0.0,
+        "tokens_per_s": output_tokens_per_s(ok, duration_s),
         "requests_per_s": len(ok) / duration_s if duration_s > 0 else 0.0,
         # Per request: tokens over its own latency (unaffected by queueing between requests).
         "decode_tokens_per_s": tokens / sum(latencies) if latencies and sum(latencies) > 0 else 0.0,
@@ -953,8 +960,7 @@ def run_bench(args) -> dict:
                     record.system = spec.name
                 all_records.setdefault(spec.name, []).extend(records)
                 durations[spec.name] = durations.get(spec.name, 0.0) + duration
-                round_rates.setdefault(spec.name, []).append(
-                    sum(r.output_tokens for r in records if r.error is None) / duration if duration > 0 else 0.0)
+                round_rates.setdefault(spec.name, []).append(output_tokens_per_s(records, duration))
         for spec in measured:
             records = all_records[spec.name]
             summary = summarize_records(records, durations[spec.name])
