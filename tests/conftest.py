@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+from tests.tiny_models import TEST_DEVICE
+
 torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "2")))
 
 
@@ -17,21 +19,21 @@ def tiny_pair(tmp_path_factory):
 def tiny_target(tiny_pair):
     from specdec.models import load_model
 
-    return load_model(str(tiny_pair[1]), device="cpu")
+    return load_model(str(tiny_pair[1]), device=TEST_DEVICE)
 
 
 @pytest.fixture(scope="session")
 def tiny_draft(tiny_pair):
     from specdec.models import load_model
 
-    return load_model(str(tiny_pair[2]), device="cpu")
+    return load_model(str(tiny_pair[2]), device=TEST_DEVICE)
 
 
 @pytest.fixture(scope="session")
 def embedded_target():
     from specdec.models import load_model
 
-    return load_model("embedded", device="cpu")
+    return load_model("embedded", device=TEST_DEVICE)
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +44,7 @@ def tiny_noisy_draft(tiny_pair):
 
     target_dir = tiny_pair[1]
     path = build_noisy_copy(target_dir.parent / "noisy", target_dir, noise_std=0.01)
-    return load_model(str(path), device="cpu")
+    return load_model(str(path), device=TEST_DEVICE)
 
 
 @pytest.fixture

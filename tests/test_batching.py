@@ -21,6 +21,7 @@ from specdec.verification import PrefillChunk, TargetSession, verify_batch
 from tests.harness import scrape_metric, start_stack
 from tests.test_distribution import assert_first_three_follow_target
 from tests.test_greedy_equality import PROMPTS, corrupting_script, hf_greedy
+from tests.tiny_models import TEST_DEVICE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,7 +34,7 @@ def tiny_reduced_head(tiny_pair):
     the ids, -inf elsewhere."""
     from specdec.models import load_model
 
-    lm = load_model(str(tiny_pair[1]), device="cpu")
+    lm = load_model(str(tiny_pair[1]), device=TEST_DEVICE)
     lm.restrict_head(list(range(0, lm.logits_width, 3)))
     return lm
 

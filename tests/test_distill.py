@@ -19,6 +19,7 @@ from specdec.models import HEAD_TOKEN_IDS_FILE, check_compatible, load_model
 from specdec.prompts import encode_chat
 from specdec.sampling import SamplingParams
 from tests.test_greedy_equality import hf_greedy
+from tests.tiny_models import TEST_DEVICE
 
 TOP_K = 32
 
@@ -71,7 +72,7 @@ def test_training_resumes_exports_a_draft_that_keeps_greedy_output_and_continues
     assert sum(e["kd"] for e in log[-3:]) < sum(e["kd"] for e in log[:3])  # it learns the target
     assert (work / "best" / "eval.json").exists()
 
-    draft = load_model(str(export), device="cpu")
+    draft = load_model(str(export), device=TEST_DEVICE)
     check_compatible(tiny_target, draft)
     head = json.loads((export / HEAD_TOKEN_IDS_FILE).read_text())
     assert draft.head_token_ids is not None and draft.head_token_ids.tolist() == head

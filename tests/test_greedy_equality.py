@@ -22,6 +22,7 @@ from specdec.policy import DraftLengthPolicy, FixedDraftLength, RoundObservation
 from specdec.prompts import encode_chat
 from specdec.sampling import DraftProposal, SamplingParams
 from specdec.verification import TargetSession
+from tests.tiny_models import TEST_DEVICE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -60,7 +61,7 @@ def hf_greedy(lm, prompt_ids: list[int], new_tokens: int) -> list[int]:
     ``ignore_eos`` keeps generating past EOS but still emits it (``min_new_tokens`` would instead
     forbid EOS, changing the greedy tokens wherever the argmax is EOS).
     """
-    input_ids = torch.tensor([prompt_ids])
+    input_ids = torch.tensor([prompt_ids], device=lm.device)
     output = lm.model.generate(
         input_ids,
         attention_mask=torch.ones_like(input_ids),
@@ -374,7 +375,7 @@ def test_shipped_draft_with_embedded_target_greedy_equals_generate(embedded_targ
 
     assert default_draft_model("embedded") == EMBEDDED_DRAFT
     assert (EMBEDDED_DRAFT_DIR / "model.safetensors").stat().st_size <= 30 * 1000 * 1000
-    draft = load_model(EMBEDDED_DRAFT, device="cpu")
+    draft = load_model(EMBEDDED_DRAFT, device=TEST_DEVICE)
     check_compatible(embedded_target, draft)
     assert draft.head_token_ids is not None and len(draft.head_token_ids) < draft.logits_width  # FR-Spec head
     lm = embedded_target

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
+
+# Where the tests' models run: cpu by default (CI); e.g. SPECDEC_TEST_DEVICE=cuda reruns the exactness
+# tests on a GPU, whose kernels differ from the CPU's.
+TEST_DEVICE = os.environ.get("SPECDEC_TEST_DEVICE", "cpu")
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
