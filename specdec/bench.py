@@ -783,6 +783,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --up: one-way delay the gateway injects on every message to drafter and verifier "
                         "(cross-machine round trips); without --up, only recorded (start the gateway with "
                         "--net-delay-ms yourself)")
+    p.add_argument("--drafter-device", default=None,
+                   help="--up: the drafter service's device (default: as the verifier's; see specdec up)")
     p.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=False,
                    help="with --up: the gateway's default for draft-ahead (systems spec-ahead/spec-noahead force it)")
     p.add_argument("--rounds", type=int, default=1,
@@ -869,6 +871,8 @@ def start_local_stack(args):
                "--draft-ahead" if args.draft_ahead else "--no-draft-ahead"]
     if args.draft_model:
         up_args += ["--draft-model", args.draft_model]
+    if getattr(args, "drafter_device", None):
+        up_args += ["--drafter-device", args.drafter_device]
     stack = LocalStack(up_args, quiet=True)
     log.info("starting a local stack: specdec up %s", " ".join(up_args))
     return stack, stack.__enter__()

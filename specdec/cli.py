@@ -53,8 +53,9 @@ def _add_serve_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--idle-timeout", type=float, default=300.0,
                    help="drafter/verifier: free a session whose stream is silent this long (seconds)")
     p.add_argument("--threads", type=int, default=os.environ.get("SPECDEC_THREADS", "0"),
-                   help="CPU threads for the model's operations (env SPECDEC_THREADS; 0: torch's default, "
-                        "one per core of the machine, which in a container is not its CPU share)")
+                   help="CPU threads for the model's operations (env SPECDEC_THREADS; 0: one for the gateway "
+                        "and beside a GPU model, else torch's default, one per core of the machine, which in "
+                        "a container is not its CPU share)")
     p.add_argument("--max-batch-size", type=int, default=16,
                    help="drafter/verifier: sessions served by one batched forward pass (1 = no batching)")
     p.add_argument("--batch-wait-ms", type=float, default=5.0,
@@ -144,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Linux scheduling class of the drafter: idle (SCHED_IDLE) never preempts the "
                          "verifier when it wakes, but under full load a drafter in it waits seconds for a "
                          "core; measured no better than niceness +19 on the whole (docs/benchmarks.md)")
+    up.add_argument("--drafter-device", default=None,
+                    help="the drafter's device (default: as the verifier's, cuda if present). With both on one "
+                         "GPU, 'cpu' keeps a small draft's launch-bound passes out of the verifier's way")
     up.add_argument("--drafter-threads", type=int, default=1,
                     help="CPU threads of the drafter: on one machine its spinning worker threads take cores "
                          "from the verifier's forward passes (0: torch's default, one per core)")
@@ -303,6 +307,28 @@ def _batching(args):
     return BatchingOptions(max_batch_size=args.max_batch_size, max_wait_s=args.batch_wait_ms / 1e3, **chunking)
 
 
+def service_threads(role: str, threads: int, device: str | None) -> int | None:
+    """CPU threads for a service's torch operations; None leaves torch's default (one per core).
+
+    ``--threads`` wins. Otherwise the gateway, and a drafter or verifier whose model runs on an
+    accelerator, use one: their CPU work is per-token vectors, and a pool of one worker per core
+    wakes its sleeping workers for every such operation after each wait (for the GPU, for the next
+    request). On this project's 2-core VM, a softmax/argmax/top-k over one 49k-vocabulary row after
+    an 18 ms sleep took 0.5 ms on one thread and 6 ms (p50; 14 ms p90) on a pool of two
+    (docs/benchmarks.md, "On a GPU").
+    """
+    if threads > 0:
+        return threads
+    if role == "gateway":
+        return 1
+    import torch
+
+    from specdec.models import default_device
+
+    on_cpu = (torch.device(device) if device else default_device()).type == "cpu"
+    return None if on_cpu else 1
+
+
 def _serve(args) -> int:
     from specdec.rpc.server import ServeOptions
 
@@ -314,10 +340,11 @@ def _serve(args) -> int:
         tls=TLSConfig.from_sources(args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_auth),
         api_keys=tuple(load_api_keys(args.api_keys_file)) if args.role == "gateway" else (),
     )
-    if args.threads > 0:
+    threads = service_threads(args.role, args.threads, args.device)
+    if threads is not None:
         import torch
 
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(threads)
     if args.role == "verifier":
         from verifier_service.server import serve
 
@@ -381,6 +408,8 @@ def _up(args) -> int:
     base = [sys.executable, "-m", "specdec.cli", "serve"]
     drafter_cmd = base + ["drafter", "--host", host, "--port", str(drafter_port),
                           "--threads", str(args.drafter_threads)]
+    if args.drafter_device:
+        drafter_cmd += ["--device", args.drafter_device]
     draft_model = args.draft_model or default_draft_model(args.target)
     method = args.draft_method if args.draft_method != "auto" else ("model" if draft_model else "ngram")
     if method == "model":

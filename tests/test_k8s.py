@@ -167,17 +167,21 @@ def test_cli_accepts_the_manifest_args(rendered):
 
 
 def test_model_services_take_their_threads_from_their_cpu_request(rendered, monkeypatch):
-    """torch sizes its thread pool by the node's cores, not the pod's CPU share: the drafter and the
-    verifier get SPECDEC_THREADS from their own CPU request, and the CLI reads it."""
+    """torch sizes its thread pool by the node's cores, not the pod's CPU share: on CPUs the drafter
+    and the verifier get SPECDEC_THREADS from their own CPU request, and the CLI reads it. Beside a
+    GPU it is 0, which the services take as one thread (``service_threads``)."""
     from specdec.cli import build_parser
 
-    _, objects = rendered
+    overlay, objects = rendered
     model_services = [d for d in deployments(objects) if d["metadata"]["name"] in ("specdec-verifier", "specdec-drafter")]
     assert len(model_services) == 2
     for deployment in model_services:
         name = deployment["metadata"]["name"]
         container = deployment["spec"]["template"]["spec"]["containers"][0]
         env = {e["name"]: e for e in container["env"]}
+        if overlay == "gpu":
+            assert env["SPECDEC_THREADS"] == {"name": "SPECDEC_THREADS", "value": "0"}, name
+            continue
         ref = env["SPECDEC_THREADS"]["valueFrom"]["resourceFieldRef"]
         assert ref == {"containerName": container["name"], "resource": "requests.cpu", "divisor": "1"}, name
         assert container["resources"]["requests"]["cpu"], name

@@ -359,6 +359,17 @@ def test_serve_threads_flag_sets_the_model_threads(tiny_pair, tmp_path):
         default.stop()
 
 
+def test_services_beside_a_gpu_and_the_gateway_default_to_one_thread():
+    """Their CPU work is per-token vectors: a pool of one worker per core only adds wake-ups."""
+    from specdec.cli import service_threads
+
+    assert service_threads("gateway", 0, None) == 1
+    assert service_threads("verifier", 0, "cuda") == 1
+    assert service_threads("drafter", 0, "cuda:1") == 1
+    assert service_threads("verifier", 0, "cpu") is None  # torch's default: the forward needs the cores
+    assert service_threads("verifier", 3, "cuda") == 3  # --threads / SPECDEC_THREADS wins
+
+
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
 def test_up_puts_the_drafter_below_the_verifier_for_all_its_threads():
     """`specdec up` lowers the drafter right after starting it: niceness and SCHED_IDLE, both per
