@@ -136,6 +136,11 @@ class RemoteDrafter:
         """The session was opened (``begin``, or the first ``propose``)."""
         return self._start_task is not None
 
+    @property
+    def ready(self) -> bool:
+        """The session is open and its prompt prefilled: a proposal now costs only drafting."""
+        return self._start_task is not None and self._start_task.done()
+
     def begin(self) -> None:
         """Open the session now so the drafter's prefill overlaps the verifier's."""
         if self._start_task is None:

@@ -158,6 +158,19 @@ class ShadowProbe:
 
     task: asyncio.Future  # the drafter's proposal
     start: int  # index in the committed tokens of the first token the proposal predicts
+    timed: bool = True  # its time measures drafting (False: it also opened the drafter's session)
+    sent_s: float = field(default_factory=time.perf_counter)
+    answered_s: float | None = None
+
+    def __post_init__(self) -> None:
+        self.task.add_done_callback(lambda _: setattr(self, "answered_s", time.perf_counter()))
+
+    @property
+    def draft_s(self) -> float | None:
+        """How long the drafter took to answer (None if unanswered or not a fair measure)."""
+        if not self.timed or self.answered_s is None or self.task.cancelled() or self.task.exception():
+            return None
+        return self.answered_s - self.sent_s
 
     def outcome(self, committed: list[int]) -> tuple[int, int] | None:
         """(drafted, accepted) once the proposal is back and enough tokens are committed to decide."""
@@ -245,7 +258,8 @@ async def generate(
             t0 = time.perf_counter()
             if shadow_probes and k > 0 and policy.probing and shadow is None:
                 policy.start_shadow_probe()
-                shadow = ShadowProbe(asyncio.ensure_future(drafter.propose(pending, k)), len(committed))
+                timed = getattr(drafter, "ready", True)  # opening the session would count its prefill
+                shadow = ShadowProbe(asyncio.ensure_future(drafter.propose(pending, k)), len(committed), timed)
                 pending = []
                 k = 0
             if k > 0 and shadow is not None:
@@ -286,7 +300,7 @@ async def generate(
                                             verdict.batch.size if verdict.batch is not None else 0))
             outcome = shadow.outcome(committed) if shadow is not None else None
             if outcome is not None:
-                policy.observe_shadow(*outcome)
+                policy.observe_shadow(*outcome, draft_s=shadow.draft_s)
                 stats.shadow_probes += 1
                 stats.shadow_accepted += outcome[1]
                 shadow = None

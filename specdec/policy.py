@@ -68,10 +68,11 @@ class DraftLengthPolicy(ABC):
         """The loop runs the probe just chosen beside a plain round instead (see ``observe_shadow``):
         this round verifies no drafts."""
 
-    def observe_shadow(self, num_drafts: int, num_accepted: int) -> None:
+    def observe_shadow(self, num_drafts: int, num_accepted: int, draft_s: float | None = None) -> None:
         """Outcome of a shadow probe: of ``num_drafts`` drafted, the leading ``num_accepted`` equal
         what the target committed there (under greedy decoding exactly what verifying them would have
-        accepted)."""
+        accepted). ``draft_s``: how long the drafter took to answer it (None: not a fair measure,
+        e.g. the probe that opened the drafter's session)."""
 
 
 class FixedDraftLength(DraftLengthPolicy):
@@ -415,7 +416,10 @@ class DraftCostModel:
         self.sky = d * self.sky + k * seconds
 
     def note_catch_up(self, k: int, seconds: float) -> None:
-        if k > 0:
+        """Keep the cheapest catch-up seen (per draft token) as the stand-in: each one overstates
+        drafting, by feeding the tokens the drafter had not seen (at a session's start, the whole
+        prompt) and, for a shadow probe, by sharing the machine with the verifier's pass."""
+        if k > 0 and (self.fallback is None or seconds / k < self.fallback[1] / self.fallback[0]):
             self.fallback = (k, seconds)
 
     @property
@@ -853,11 +857,17 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         self._kind = "shadow"
         self._shadow_pending = True
 
-    def observe_shadow(self, num_drafts: int, num_accepted: int) -> None:
+    def observe_shadow(self, num_drafts: int, num_accepted: int, draft_s: float | None = None) -> None:
         k = max(0, int(num_drafts))
         n = max(0, min(int(num_accepted), k))
         self._shadow_pending = False
-        self.acceptance.update(k, n)  # costs stay as measured: the shadow's round verified no drafts
+        self.acceptance.update(k, n)  # the verify costs stay as measured: the round verified no drafts
+        if draft_s is not None:
+            # A probe is a catch-up too (the drafter first feeds the tokens committed since the
+            # last one). Without it, while probes run in the shadow the stand-in for the draft cost
+            # would stay the first catch-up (often with the drafter's whole-prompt prefill), and a
+            # cost that high keeps k = 0 winning for good.
+            self.draft.note_catch_up(k, float(draft_s))
         self._probe_outcome(n)
 
     def close(self) -> None:

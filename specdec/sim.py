@@ -169,27 +169,32 @@ def _simulate_request(
             t += (n if n < k else k) + 1
             r += 1
         return clock
+    drafter_open = False
     while t < tokens:
         bound = min(max_k, tokens - t - 1)
         k = min(fixed_k, bound) if policy is None else policy.choose(bound)
         shadow = None
         if shadow_probes and policy is not None and k > 0 and policy.probing:
             policy.start_shadow_probe()
-            shadow = (k, min(k, req.run[t]))  # what verifying the probe would have accepted
-            k, unseen = 0, 0  # the probe's call caught the drafter up
+            catch_up = c * (0.5 + unseen / 64.0) if unseen > 1 else 0.0
+            # The probe that opens the drafter's session is not timed (the engine's rule).
+            probe_s = (rtt + c * k + catch_up) * step_s * req.noise_draft[r] if drafter_open else None
+            # What verifying the probe would have accepted, and the drafter's time for it.
+            shadow = (k, min(k, req.run[t]), probe_s)
+            k, unseen, drafter_open = 0, 0, True  # the probe's call caught the drafter up
         n = min(k, req.run[t])
         draft_s = 0.0
         if k > 0:
             catch_up = c * (0.5 + unseen / 64.0) if unseen > 1 else 0.0
             draft_s = (rtt + c * k + catch_up) * step_s * req.noise_draft[r]
-            unseen = 1
+            unseen, drafter_open = 1, True
         else:
             unseen += 1
         verify_s = (rtt + sc.verify_steps(k)) * step_s * req.noise_verify[r]
         if policy is not None:
             policy.observe(RoundObservation(k, n, draft_s, verify_s))
             if shadow is not None:
-                policy.observe_shadow(*shadow)
+                policy.observe_shadow(shadow[0], shadow[1], draft_s=shadow[2])
         if k_hist is not None:
             k_hist[k] = k_hist.get(k, 0) + 1
         clock += draft_s + verify_s

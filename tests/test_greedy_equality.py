@@ -176,6 +176,7 @@ class ProbingPolicy(DraftLengthPolicy):
         self.pending = False
         self.calls: list[str] = []  # "probe" / "real", in the order the drafter is asked
         self.shadows: list[tuple[int, int]] = []
+        self.shadow_draft_s: list[float | None] = []  # the drafter's time for each probe
         self.rounds: list[RoundObservation] = []
 
     def choose(self, max_k: int) -> int:
@@ -194,9 +195,10 @@ class ProbingPolicy(DraftLengthPolicy):
         self.pending = True
         self.calls.append("probe")
 
-    def observe_shadow(self, num_drafts: int, num_accepted: int) -> None:
+    def observe_shadow(self, num_drafts: int, num_accepted: int, draft_s: float | None = None) -> None:
         self.pending = False
         self.shadows.append((num_drafts, num_accepted))
+        self.shadow_draft_s.append(draft_s)
 
     def observe(self, outcome: RoundObservation) -> None:
         self.rounds.append(outcome)
@@ -263,6 +265,8 @@ def test_shadow_probes_score_what_verification_would_accept(references, tiny_tar
         assert sum(r.num_drafts for r in policy.rounds) == result.stats.draft_tokens == sum(d for d, _ in expected_real)
         assert result.stats.shadow_probes == len(policy.shadows)
         assert result.stats.shadow_accepted == sum(a for _, a in policy.shadows)
+        # Each probe is timed from its call to the drafter's answer (which sleeps 1 ms first).
+        assert all(d is not None and 0.001 <= d < 5.0 for d in policy.shadow_draft_s), policy.shadow_draft_s
         probes += len(policy.shadows)
         scored_rounds += len(expected_real)
     assert probes >= 40 and scored_rounds >= 40

@@ -194,22 +194,23 @@ def test_notices_when_speculation_pays_again():
     assert ks[-1] >= 12
 
 
-def drive_with_shadow_probes(policy, rounds: int, accepted, delay: int = 2) -> tuple[list[int], list[int]]:
+def drive_with_shadow_probes(policy, rounds: int, accepted, delay: int = 2,
+                             timed: bool = False) -> tuple[list[int], list[int]]:
     """Like ``drive``, with probes run as the engine runs them for greedy requests: beside a k = 0
-    round, their outcome ``delay`` rounds later. Returns (k verified per round, rounds that started
-    a shadow probe)."""
+    round, their outcome ``delay`` rounds later (with ``timed``, also the drafter's time for them,
+    as ``costs`` has it). Returns (k verified per round, rounds that started a shadow probe)."""
     ks, started, pending = [], [], None
     for i in range(rounds):
         k = policy.choose(16)
         if k > 0 and policy.probing:
             assert pending is None, "a second probe while one is in flight"
             policy.start_shadow_probe()
-            pending, k = (i + delay, k, accepted(k, i)), 0
+            pending, k = (i + delay, k, accepted(k, i), costs(k)[0] if timed else None), 0
             started.append(i)
         d, v = costs(k)
         policy.observe(RoundObservation(k, accepted(k, i) if k else 0, d, v))
         if pending is not None and pending[0] == i:
-            policy.observe_shadow(pending[1], pending[2])
+            policy.observe_shadow(pending[1], pending[2], draft_s=pending[3])
             pending = None
         ks.append(k)
     return ks, started
@@ -234,6 +235,26 @@ def test_shadow_probes_notice_when_speculation_pays_again():
     first = next(i for i, k in enumerate(ks) if k > p.probe_k)
     assert first <= p.probe_interval_cap() + 12
     assert ks[-1] >= 12
+
+
+def test_shadow_probes_replace_a_stale_catch_up_cost():
+    """Until rounds draft, the draft cost stands in from a catch-up: here the session's first round,
+    whose drafter call also prefilled the whole prompt (20 steps for 4 drafts). The probes that then
+    run in the shadow time the drafter as well, so that figure does not keep k = 0 winning once
+    acceptance is high; untimed probes (as before) leave it in place for good."""
+
+    def run(timed: bool) -> list[int]:
+        p = AdaptiveDraftLength(probe_interval=4)
+        k = p.choose(16)
+        assert k == p.initial_k  # nothing known: the first round drafts
+        p.observe(RoundObservation(k, k, 20.0 * STEP, costs(k)[1]))
+        ks, started = drive_with_shadow_probes(p, 80, lambda k, i: k, timed=timed)
+        assert started  # probes ran either way
+        return ks
+
+    assert all(k == 0 for k in run(timed=False))
+    ks = run(timed=True)
+    assert max(ks) >= 4 and min(ks[-20:]) >= 1
 
 
 def test_no_speculation_when_drafting_is_too_expensive():
