@@ -151,15 +151,20 @@ def _simulate_request(
     r = 0
     unseen = prompt_tokens  # tokens the drafter has not processed yet
     c, rtt = sc.draft_cost, sc.rtt
+
+    def drafter_call_s(k: int, unseen: int, r: int) -> float:
+        """A drafter call of k drafts in round r: round trip, drafting, and feeding ``unseen`` tokens."""
+        catch_up = c * (0.5 + unseen / 64.0) if unseen > 1 else 0.0
+        return (rtt + c * k + catch_up) * step_s * req.noise_draft[r]
+
     if policy is None and k_hist is None:
         # Fast path for fixed k (the same arithmetic, no policy calls).
         verify = [(rtt + sc.verify_steps(k)) * step_s for k in range(fixed_k + 1)]
-        run, nd, nv = req.run, req.noise_draft, req.noise_verify
+        run, nv = req.run, req.noise_verify
         while t < tokens:
             k = min(fixed_k, max_k, tokens - t - 1)
             if k > 0:
-                catch_up = c * (0.5 + unseen / 64.0) if unseen > 1 else 0.0
-                clock += (rtt + c * k + catch_up) * step_s * nd[r]
+                clock += drafter_call_s(k, unseen, r)
                 unseen = 1
             else:
                 k = 0
@@ -176,17 +181,15 @@ def _simulate_request(
         shadow = None
         if shadow_probes and policy is not None and k > 0 and policy.probing:
             policy.start_shadow_probe()
-            catch_up = c * (0.5 + unseen / 64.0) if unseen > 1 else 0.0
             # The probe that opens the drafter's session is not timed (the engine's rule).
-            probe_s = (rtt + c * k + catch_up) * step_s * req.noise_draft[r] if drafter_open else None
+            probe_s = drafter_call_s(k, unseen, r) if drafter_open else None
             # What verifying the probe would have accepted, and the drafter's time for it.
             shadow = (k, min(k, req.run[t]), probe_s)
             k, unseen, drafter_open = 0, 0, True  # the probe's call caught the drafter up
         n = min(k, req.run[t])
         draft_s = 0.0
         if k > 0:
-            catch_up = c * (0.5 + unseen / 64.0) if unseen > 1 else 0.0
-            draft_s = (rtt + c * k + catch_up) * step_s * req.noise_draft[r]
+            draft_s = drafter_call_s(k, unseen, r)
             unseen, drafter_open = 1, True
         else:
             unseen += 1
