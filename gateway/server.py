@@ -274,7 +274,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         draft_model = drafter_backend.info.model.model if drafter_backend is not None else ""
         policy = make_policy(k, memory=self.acceptance_memory, max_k=self.limits.max_draft_tokens,
                              key=AcceptanceMemory.make_key(method, draft_model, verifier_backend.info.model.model),
-                             forward_curve=list(verifier_backend.info.forward_cost_s) or None)
+                             forward_curve=list(verifier_backend.info.forward_cost_s) or None,
+                             co_batched=max(0, verifier_backend.load - 1))  # its other sessions, this one opened
         if drafter_backend is not None:
             drafter_backend.in_flight += 1
             remote_drafter = RemoteDrafter(drafter_backend.stub, request_id, prompt_ids, params,

@@ -244,11 +244,26 @@ class AcceptanceEstimator:
                 out.append(a)
         return out
 
-    def expected_tokens(self, k_max: int) -> list[float]:
-        """E[emitted tokens](k) for k = 0..k_max (drafts accepted + the recovered/bonus token)."""
+    def upper_alpha(self, z: float = 2.0) -> float:
+        """An optimistic acceptance: the Wilson upper bound (``z`` standard errors) of the rate over
+        the decayed trials. Wide while few trials are in the window (the prior alone allows about
+        0.94), tight after many (0.35 over 60 trials: about 0.48)."""
+        n = self.trials
+        if n <= 1e-12:
+            return 1.0
+        p = self.alpha
+        z2 = z * z
+        centre = p + z2 / (2.0 * n)
+        spread = z * math.sqrt(p * (1.0 - p) / n + z2 / (4.0 * n * n))
+        return min(1.0, (centre + spread) / (1.0 + z2 / n))
+
+    def expected_tokens(self, k_max: int, alpha: float | None = None) -> list[float]:
+        """E[emitted tokens](k) for k = 0..k_max (drafts accepted + the recovered/bonus token);
+        ``alpha``: at that acceptance at every position instead of the estimate."""
+        rates = self.conditional_rates(k_max) if alpha is None else [alpha] * k_max
         out = [1.0]
         prod = 1.0
-        for a in self.conditional_rates(k_max):
+        for a in rates:
             prod *= a
             out.append(out[-1] + prod)
         return out
@@ -628,6 +643,10 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         warm_trials, warm_cost_weight: caps on how much a memory warm start weighs.
         forward_curve: the verifier's measured forward cost over k + 1 tokens (its
             ``GetInfo.forward_cost_s``); the verify-cost model takes its shape in k from it.
+        co_batched: the other sessions expected in this session's verify passes until its own
+            rounds say (the gateway passes the verifier's other open sessions). Learned from 0
+            instead, every session arriving at a loaded verifier believed itself alone for its
+            first rounds, drafted, and kept 15 others waiting for its drafter and its longer pass.
     """
 
     name = "adaptive"
@@ -656,6 +675,7 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         warm_trials: float = 60.0,
         warm_cost_weight: float = 4.0,
         forward_curve: Sequence[float] | None = None,
+        co_batched: float = 0.0,
     ) -> None:
         if max_k < 0:
             raise ValueError("max_k must be >= 0")
@@ -681,7 +701,7 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         self.verify = VerifyCostModel(decay=cost_decay, forward_curve=forward_curve)
         self.draft = DraftCostModel(decay=cost_decay)
         self.cost_decay = cost_decay
-        self.co_batched = 0.0  # recent mean of other sessions sharing this session's verify passes
+        self.co_batched = max(0.0, float(co_batched))  # recent mean of other sessions in this session's verify passes
         self.warm_started = False
         if memory is not None and key is not None:
             entry = memory.get(key)
@@ -694,6 +714,7 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         self.zero_run = 0  # consecutive rounds where k = 0 was the choice
         self.rounds = 0
         self.probes = 0
+        self.probes_skipped = 0  # rounds a probe was due but could not have changed the choice
         self._kind = "none"  # what the last choice was: initial / zero / probe / best / explore / forced
         self._explore_sign = 1
         self._spec_rounds = 0
@@ -705,16 +726,26 @@ class AdaptiveDraftLength(DraftLengthPolicy):
 
     # -- model -------------------------------------------------------------------------------
 
-    def expected_rates(self, k_max: int) -> list[float] | None:
-        """Estimated emitted tokens per second for k = 0..k_max (None: no cost data yet)."""
+    def expected_rates(self, k_max: int, optimistic: bool = False) -> list[float] | None:
+        """Estimated emitted tokens per second for k = 0..k_max (None: no cost data yet).
+
+        ``optimistic``: the best case the data allow, for deciding whether a probe could change
+        anything: acceptance at its upper bound (``upper_alpha``), drafts free (the draft cost is
+        the uncertain part: a stand-in from a catch-up can be far too high, and only probes
+        correct it), and verifying k drafts costing no more over k = 0 than the verifier's own
+        measured forward says (the learned curve can hold a k last seen under another load)."""
         vcurve = self.verify.curve(k_max)
         if vcurve is None:
             return None
-        coef = self.draft.coefficients()
+        coef = (0.0, 0.0) if optimistic else self.draft.coefficients()
         if coef is None:
             coef = (0.0, 0.1 * vcurve[0])  # prior: a draft token costs a tenth of a target step
         overhead, per_token = coef
-        tokens = self.acceptance.expected_tokens(k_max)
+        if optimistic and self.verify.forward_curve:
+            forward0 = self.verify.forward(0)
+            vcurve = [vcurve[0] + min(v - vcurve[0], self.verify.forward(k) - forward0)
+                      for k, v in enumerate(vcurve)]
+        tokens = self.acceptance.expected_tokens(k_max, self.acceptance.upper_alpha() if optimistic else None)
         rates = []
         for k in range(k_max + 1):
             t = vcurve[k] + (overhead + per_token * k if k > 0 else 0.0)
@@ -736,6 +767,8 @@ class AdaptiveDraftLength(DraftLengthPolicy):
             "draft_per_token_s": coef[1] if coef else None,
             "rates": self.expected_rates(k_max),
             "probe_interval": self.probe_interval,
+            "alpha_upper": self.acceptance.upper_alpha(),
+            "probes_skipped": self.probes_skipped,
             "co_batched_sessions": self.co_batched,
             "warm_started": self.warm_started,
         }
@@ -763,6 +796,14 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         best = max(range(1, len(rates)), key=lambda k: (rates[k], -k))
         return best if rates[best] > rates[0] * (1.0 + self.draft_margin) else 0
 
+    def _probe_could_pay(self, bound: int) -> bool:
+        """Would drafting beat plain decoding in the best case (``expected_rates(optimistic=True)``)?
+        If not, the verifier's side alone makes every draft token a loss (under load: the pass it
+        lengthens is shared by many sessions, SmartSpec's point), and a probe would only spend
+        drafter and verifier time: whatever it measured, k = 0 would stay."""
+        rates = self.expected_rates(bound, optimistic=True)
+        return rates is not None and self._best_k(rates) > 0
+
     def expects_to_draft(self) -> bool:
         """``choose``'s rule without its bookkeeping: ``initial_k`` with nothing known about costs,
         otherwise the best expected rate (plain decoding winning means no draft before the first
@@ -789,6 +830,12 @@ class AdaptiveDraftLength(DraftLengthPolicy):
                 return 0
             self.zero_run += 1
             if self.zero_run > self.probe_interval:
+                if not self._probe_could_pay(bound):
+                    # Its answer could not change the choice: skip it (asked again next round, as
+                    # the costs move with the load).
+                    self.probes_skipped += 1
+                    self._kind = "zero"
+                    return 0
                 self.zero_run = 0
                 self.probes += 1
                 self._kind = "probe"

@@ -468,6 +468,58 @@ def test_probes_back_off_further_when_they_lengthen_a_shared_pass():
     assert caps[8] > 2 * caps[1], caps
 
 
+def test_probes_skipped_where_not_even_a_high_acceptance_would_pay():
+    """On a CPU verifier a draft token costs a step of the forward curve (56 -> 87 ms here, the
+    embedded target's), and under load every session sharing the pass pays it: with 13 others,
+    drafting loses even at the upper bound of a 0.3 acceptance, so probing (which costs drafter and
+    verifier time) stops once that bound is tight. Alone, with the same acceptance and curve, it
+    probes on; and when the load goes, probing comes back."""
+    forward = [0.056] + [0.087] * 8
+    accepted = geometric(0.3, 2)
+
+    def run(p, rounds: int, batch: int) -> list[int]:
+        """Rounds with shadow probes (outcome a round later); the rounds that started one."""
+        started, pending = [], None
+        for i in range(rounds):
+            k = p.choose(16)
+            if k > 0 and p.probing:
+                p.start_shadow_probe()
+                pending, k = (k, accepted(k, i)), 0
+                started.append(i)
+            verify_s = (0.200 if batch > 1 else 0.060) + forward[min(k, 8)] - forward[0]
+            p.observe(RoundObservation(k, accepted(k, i) if k else 0, 0.003 * k, verify_s, batch))
+            if pending is not None and i - started[-1] >= 1:
+                p.observe_shadow(*pending, draft_s=0.003 * pending[0])
+                pending = None
+        return started
+
+    loaded = AdaptiveDraftLength(forward_curve=forward)
+    first = run(loaded, 300, batch=14)
+    assert first and first[-1] < 200, first  # probes while the estimate was loose, then none
+    assert loaded.acceptance.upper_alpha() < 0.7 and loaded.probes_skipped > 50
+    alone = AdaptiveDraftLength(forward_curve=forward)
+    assert len([i for i in run(alone, 300, batch=1) if i >= 200]) >= 2  # same acceptance: probes go on
+    assert alone.probes_skipped == 0
+    assert run(loaded, 150, batch=1), "the load went and probing did not come back"
+
+
+def test_a_session_joining_a_loaded_verifier_starts_from_its_load():
+    """The memory holds a pair that pays alone (acceptance 0.7, the CPU forward curve). A new
+    session told that 13 others share the verifier expects plain decoding from its first round (so
+    the gateway does not open its drafter at prefill either); told nothing, it drafts."""
+    forward = [0.056] + [0.087] * 8
+    memory = AcceptanceMemory()
+    key = AcceptanceMemory.make_key("model", "draft", "target")
+    first = memory.create(key, forward_curve=forward)
+    drive_costs(first, 60, geometric(0.7, 3), draft_s=lambda k: 0.002 + 0.001 * k,
+                verify_s=lambda k: 0.062 + forward[min(k, 8)] - forward[0])
+    first.close()
+    alone = memory.create(key, forward_curve=forward)
+    assert alone.expects_to_draft() and alone.choose(16) > 0
+    loaded = memory.create(key, forward_curve=forward, co_batched=13)
+    assert not loaded.expects_to_draft() and loaded.choose(16) == 0
+
+
 def test_verify_curve_shrinks_rare_k_towards_the_line():
     m = VerifyCostModel()
     for _ in range(30):
