@@ -206,6 +206,11 @@ class BatchingOptions:
     # on its way: a pass's sessions come back after a round trip). Without it, two streams alternate
     # passes forever instead of sharing them. 0: take only what queued while the last pass ran.
     max_wait_s: float = 0.005
+    # ... or up to this fraction of the recent pass time, where that is longer. A session that misses
+    # a pass waits a whole pass, while holding one costs its sessions this fraction of one; under load
+    # on a slow (CPU) verifier a pass's verdicts take the gateway longer than max_wait_s to turn
+    # around (about half a millisecond each), and the last of 16 sessions kept missing their pass.
+    max_wait_fraction: float = 0.1
     max_batch_tokens: int = 256
     max_row_tokens: int = 64  # longer jobs (prefills) run alone: decoding sessions do not wait for them
     # While other sessions are decoding, the verifier feeds a longer prompt in chunks of this many
@@ -229,8 +234,9 @@ class BatchScheduler:
     ``max_batch_tokens`` tokens, the next ones; a job over ``max_row_tokens`` (a long prefill) runs
     alone, so that the decoding sessions' short pass does not take its length. Jobs that arrive
     while a pass runs wait for the next one (continuous batching). While fewer jobs are queued than
-    ``expected()`` sessions are open, a pass waits up to ``max_wait_s`` for theirs to arrive (the
-    bound on the latency batching adds); a long job does not wait. ``run_batch(jobs)`` returns one
+    ``expected()`` sessions are open, a pass waits up to ``max_wait_s`` (or ``max_wait_fraction``
+    of the recent pass time, if longer) for theirs to arrive (the bound on the latency batching
+    adds); a long job does not wait. ``run_batch(jobs)`` returns one
     result or exception per job.
     """
 
@@ -246,6 +252,8 @@ class BatchScheduler:
         self.max_batch_tokens = options.max_batch_tokens
         self.max_row_tokens = options.max_row_tokens
         self.max_wait_s = options.max_wait_s
+        self.max_wait_fraction = options.max_wait_fraction
+        self.recent_pass_s = 0.0  # moving average of pass times
         self.on_pass = on_pass  # (size, tokens, seconds) after each pass: metrics
         self.expected = expected or (lambda: 1)  # sessions that may send work (open sessions)
         self._pending: deque[_Pending] = deque()
@@ -275,9 +283,14 @@ class BatchScheduler:
                 entry.future.cancel()
         self._pending.clear()
 
+    @property
+    def wait_bound_s(self) -> float:
+        """Longest a pass waits for open sessions' messages."""
+        return max(self.max_wait_s, self.max_wait_fraction * self.recent_pass_s)
+
     async def _wait_for_sessions(self, loop) -> None:
-        """Hold the pass up to ``max_wait_s`` while open sessions have nothing queued yet."""
-        deadline = loop.time() + self.max_wait_s
+        """Hold the pass while open sessions have nothing queued yet (up to ``wait_bound_s``)."""
+        deadline = loop.time() + self.wait_bound_s
         while True:
             live = [e for e in self._pending if not e.future.done()]
             if not live or live[0].tokens > self.max_row_tokens:
@@ -338,6 +351,7 @@ class BatchScheduler:
                 log.exception("batched pass of %d jobs failed", len(batch))
                 results = [exc] * len(batch)
             pass_s = time.perf_counter() - started
+            self.recent_pass_s = pass_s if self.recent_pass_s == 0.0 else 0.8 * self.recent_pass_s + 0.2 * pass_s
             tokens = sum(e.tokens for e in batch)
             if self.on_pass is not None:
                 self.on_pass(len(batch), tokens, pass_s)

@@ -61,6 +61,9 @@ def _add_serve_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--batch-wait-ms", type=float, default=5.0,
                    help="drafter/verifier: hold a pass up to this long for open sessions whose next message "
                         "has not arrived yet (0: only what queued during the last pass)")
+    p.add_argument("--batch-wait-fraction", type=float, default=0.1,
+                   help="drafter/verifier: ... or up to this fraction of the recent pass time where that is "
+                        "longer (a session that misses a pass waits a whole one; 0: --batch-wait-ms only)")
     p.add_argument("--prefill-chunk-tokens", type=int, default=None,
                    help="verifier: while other sessions decode, feed a longer prompt in chunks of this many "
                         "tokens that share their passes (default 64; 0: one pass per prompt)")
@@ -297,6 +300,8 @@ def _batching(args):
         raise SystemExit("--max-batch-size must be >= 1")
     if args.batch_wait_ms < 0:
         raise SystemExit("--batch-wait-ms must be >= 0")
+    if not 0 <= args.batch_wait_fraction <= 1:
+        raise SystemExit("--batch-wait-fraction must be in [0, 1]")
     chunking = {}
     if args.prefill_chunk_tokens is not None:
         if args.prefill_chunk_tokens < 0:
@@ -304,7 +309,8 @@ def _batching(args):
         chunking["prefill_chunk_tokens"] = args.prefill_chunk_tokens
         # Chunks share passes only if they are not "long jobs" that run alone.
         chunking["max_row_tokens"] = max(BatchingOptions.max_row_tokens, args.prefill_chunk_tokens)
-    return BatchingOptions(max_batch_size=args.max_batch_size, max_wait_s=args.batch_wait_ms / 1e3, **chunking)
+    return BatchingOptions(max_batch_size=args.max_batch_size, max_wait_s=args.batch_wait_ms / 1e3,
+                           max_wait_fraction=args.batch_wait_fraction, **chunking)
 
 
 def service_threads(role: str, threads: int, device: str | None) -> int | None:
