@@ -199,7 +199,8 @@ class BatchInfo:
 
 @dataclass(frozen=True)
 class BatchingOptions:
-    """How a service batches sessions' work (``--max-batch-size``, ``--batch-wait-ms``)."""
+    """How a service batches sessions' work (``--max-batch-size``, ``--batch-wait-ms``,
+    ``--batch-wait-fraction``, ``--prefill-chunk-tokens``)."""
 
     max_batch_size: int = 16  # 1: every message gets its own pass
     # Longest a pass waits for sessions that are open but have nothing queued (their next message is
