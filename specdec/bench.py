@@ -50,6 +50,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specdec.costs import FORWARD_CURVE_PREFIX, measure_forward_curve
+from specdec.speedup import conditional_alphas, speedup_bound
 
 log = logging.getLogger(__name__)
 
@@ -542,52 +543,6 @@ def merge_position_counts(stats_list: Sequence[dict]) -> tuple[list[int], list[i
             drafted[i] += d[i]
             accepted[i] += a[i]
     return drafted, accepted
-
-
-def conditional_alphas(prefix_rates: Sequence[float]) -> list[float]:
-    """alpha_i = P(accept i | accepted 1..i-1) from prefix acceptance rates P(accepted 1..i)."""
-    alphas, previous = [], 1.0
-    for rate in prefix_rates:
-        alphas.append(min(1.0, max(0.0, rate / previous)) if previous > 0 else 0.0)
-        previous = rate
-    return alphas
-
-
-def expected_tokens(k: int, alpha: float) -> float:
-    """Tokens per verification with k drafts and per-token acceptance alpha: (1 - a^(k+1)) / (1 - a)."""
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-def expected_tokens_positional(k: int, alphas: Sequence[float], tail_alpha: float) -> float:
-    """1 + sum_{j=1..k} prod_{i<=j} alpha_i; positions past ``alphas`` use ``tail_alpha``."""
-    total, survive = 1.0, 1.0
-    for j in range(k):
-        survive *= alphas[j] if j < len(alphas) else tail_alpha
-        total += survive
-    return total
-
-
-def speedup_bound(t_verify: Sequence[float], t_draft: float, alpha: float | None = None,
-                  alphas: Sequence[float] | None = None) -> dict:
-    """max over k of E[tokens](k) * t_verify(0) / (k * t_draft + t_verify(k)).
-
-    ``t_verify[k]`` is the verification cost with k drafts (the forward over k + 1 tokens). With
-    ``alphas`` (conditional acceptance per position) E[tokens] is positional (tail: ``alpha``),
-    otherwise geometric in ``alpha``.
-    """
-    if not t_verify or t_verify[0] <= 0:
-        raise ValueError("t_verify needs a positive t_verify(0)")
-    if alpha is None and not alphas:
-        raise ValueError("need alpha or alphas")
-    tail = alpha if alpha is not None else alphas[-1]
-    curve = []
-    for k, tv in enumerate(t_verify):
-        e = expected_tokens_positional(k, alphas, tail) if alphas else expected_tokens(k, tail)
-        curve.append({"k": k, "expected_tokens": e, "speedup": e * t_verify[0] / (k * t_draft + tv)})
-    best = max(curve, key=lambda c: c["speedup"])
-    return {"best_k": best["k"], "bound": best["speedup"], "curve": curve}
 
 
 def fit_verify_cost(samples: Sequence[tuple[int, float, float]]) -> tuple[float, float] | None:

@@ -28,6 +28,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from specdec.costs import extend_curve, isotonic
+from specdec.speedup import expected_tokens_curve
 
 
 @dataclass(frozen=True)
@@ -260,13 +261,7 @@ class AcceptanceEstimator:
     def expected_tokens(self, k_max: int, alpha: float | None = None) -> list[float]:
         """E[emitted tokens](k) for k = 0..k_max (drafts accepted + the recovered/bonus token);
         ``alpha``: at that acceptance at every position instead of the estimate."""
-        rates = self.conditional_rates(k_max) if alpha is None else [alpha] * k_max
-        out = [1.0]
-        prod = 1.0
-        for a in rates:
-            prod *= a
-            out.append(out[-1] + prod)
-        return out
+        return expected_tokens_curve(self.conditional_rates(k_max) if alpha is None else [alpha] * k_max)
 
     def state(self) -> dict:
         return {

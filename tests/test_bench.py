@@ -9,7 +9,7 @@ import statistics
 import numpy as np
 import pytest
 
-from specdec import bench
+from specdec import bench, speedup
 from specdec.cli import main as cli_main
 from specdec.costs import isotonic
 
@@ -80,13 +80,13 @@ def test_position_counts_from_final_stats():
 
 # -- the bound ------------------------------------------------------------------------------------
 def test_expected_tokens():
-    assert bench.expected_tokens(0, 0.8) == pytest.approx(1.0)
-    assert bench.expected_tokens(3, 0.5) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
-    assert bench.expected_tokens(4, 1.0) == 5
+    assert speedup.expected_tokens(0, 0.8) == pytest.approx(1.0)
+    assert speedup.expected_tokens(3, 0.5) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert speedup.expected_tokens(4, 1.0) == 5
     # positional with equal alphas equals the geometric formula
-    assert bench.expected_tokens_positional(5, [0.7] * 3, 0.7) == pytest.approx(bench.expected_tokens(5, 0.7))
-    assert bench.expected_tokens_positional(3, [1.0, 0.5], 0.0) == pytest.approx(2.5)
-    assert bench.conditional_alphas([0.8, 0.4, 0.2]) == pytest.approx([0.8, 0.5, 0.5])
+    assert speedup.expected_tokens_positional(5, [0.7] * 3, 0.7) == pytest.approx(speedup.expected_tokens(5, 0.7))
+    assert speedup.expected_tokens_positional(3, [1.0, 0.5], 0.0) == pytest.approx(2.5)
+    assert speedup.conditional_alphas([0.8, 0.4, 0.2]) == pytest.approx([0.8, 0.5, 0.5])
 
 
 @pytest.mark.parametrize("alpha, c, best_k, bound", [
@@ -95,10 +95,10 @@ def test_expected_tokens():
     (0.7, 0.2, 3, (1 - 0.7 ** 4) / 0.3 / 1.6),
 ])
 def test_bound_flat_verify_cost(alpha, c, best_k, bound):
-    result = bench.speedup_bound([1.0] * 16, c, alpha=alpha)
+    result = speedup.speedup_bound([1.0] * 16, c, alpha=alpha)
     assert result["best_k"] == best_k
     assert result["bound"] == pytest.approx(bound)
-    assert 3.08 < bench.speedup_bound([1.0] * 16, 0.05, alpha=0.8)["bound"] < 3.1
+    assert 3.08 < speedup.speedup_bound([1.0] * 16, 0.05, alpha=0.8)["bound"] < 3.1
 
 
 def test_bound_acceptance_counts_shadow_probes_at_the_first_position():
@@ -123,15 +123,15 @@ def test_bound_acceptance_counts_shadow_probes_at_the_first_position():
 
 def test_bound_with_growing_verify_cost_and_positions():
     # t_verify(k) = 1 + 0.1 k, free drafts, alpha 0.5: k=2 gives 1.75 / 1.2
-    result = bench.speedup_bound([1.0 + 0.1 * k for k in range(16)], 0.0, alpha=0.5)
+    result = speedup.speedup_bound([1.0 + 0.1 * k for k in range(16)], 0.0, alpha=0.5)
     assert result["best_k"] == 2
     assert result["bound"] == pytest.approx(1.75 / 1.2)
     # positional: first draft always accepted, second half the time, none after
-    result = bench.speedup_bound([1.0 + 0.1 * k for k in range(16)], 0.0, alpha=0.0, alphas=[1.0, 0.5])
+    result = speedup.speedup_bound([1.0 + 0.1 * k for k in range(16)], 0.0, alpha=0.0, alphas=[1.0, 0.5])
     # E = 1, 2, 2.5, 2.5, ...: k=1 gives 2 / 1.1, k=2 gives 2.5 / 1.2 (best), k=3 2.5 / 1.3
     assert result["best_k"] == 2 and result["bound"] == pytest.approx(2.5 / 1.2)
     # no acceptance: k = 0 is best, bound 1
-    assert bench.speedup_bound([1.0] * 4, 0.1, alpha=0.0)["bound"] == pytest.approx(1.0)
+    assert speedup.speedup_bound([1.0] * 4, 0.1, alpha=0.0)["bound"] == pytest.approx(1.0)
 
 
 def test_monotone_verify_curve():

@@ -1,0 +1,75 @@
+"""The arithmetic of speculative decoding: how many tokens a round yields and what that can buy.
+
+One round drafts k tokens (q = the draft's distribution) and verifies them in one target forward
+over k + 1 tokens (p = the target's). With alpha_i the probability that draft token i is accepted
+given that tokens 1..i-1 were, the round emits the accepted drafts plus one recovered or bonus
+token:
+
+    E[tokens](k) = 1 + sum_{j=1..k} prod_{i<=j} alpha_i      (= (1 - a^(k+1)) / (1 - a) if alpha_i = a)
+
+and, with a per-token draft cost t_draft and the verify-cost curve t_verify(k), the best speedup
+over plain decoding (one target step per token) is
+
+    bound = max_k E[tokens](k) * t_verify(0) / (k * t_draft + t_verify(k)).
+
+The benchmark's bound, the adaptive policy's expected rates and the simulator all use these
+functions; nothing else spells the formulas out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def conditional_alphas(prefix_rates: Sequence[float]) -> list[float]:
+    """alpha_i = P(accept i | accepted 1..i-1) from prefix acceptance rates P(accepted 1..i)."""
+    alphas, previous = [], 1.0
+    for rate in prefix_rates:
+        alphas.append(min(1.0, max(0.0, rate / previous)) if previous > 0 else 0.0)
+        previous = rate
+    return alphas
+
+
+def expected_tokens_curve(alphas: Sequence[float]) -> list[float]:
+    """E[tokens](k) for k = 0..len(alphas), with ``alphas[i]`` the conditional acceptance of draft
+    position i + 1. Element 0 is 1: a round without drafts still emits the target's own token."""
+    out, survive = [1.0], 1.0
+    for alpha in alphas:
+        survive *= alpha
+        out.append(out[-1] + survive)
+    return out
+
+
+def expected_tokens_positional(k: int, alphas: Sequence[float], tail_alpha: float) -> float:
+    """E[tokens](k) with conditional acceptance ``alphas`` per position; positions past ``alphas``
+    use ``tail_alpha``."""
+    rates = [alphas[j] if j < len(alphas) else tail_alpha for j in range(k)]
+    return expected_tokens_curve(rates)[k]
+
+
+def expected_tokens(k: int, alpha: float) -> float:
+    """E[tokens](k) at the same acceptance ``alpha`` at every position: (1 - a^(k+1)) / (1 - a)."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def speedup_bound(t_verify: Sequence[float], t_draft: float, alpha: float | None = None,
+                  alphas: Sequence[float] | None = None) -> dict:
+    """max over k of E[tokens](k) * t_verify(0) / (k * t_draft + t_verify(k)).
+
+    ``t_verify[k]`` is the verification cost with k drafts (the forward over k + 1 tokens). With
+    ``alphas`` (conditional acceptance per position) E[tokens] is positional (tail: ``alpha``),
+    otherwise geometric in ``alpha``. Returns ``best_k``, ``bound`` and the whole ``curve``.
+    """
+    if not t_verify or t_verify[0] <= 0:
+        raise ValueError("t_verify needs a positive t_verify(0)")
+    if alpha is None and not alphas:
+        raise ValueError("need alpha or alphas")
+    tail = alpha if alpha is not None else alphas[-1]
+    curve = []
+    for k, tv in enumerate(t_verify):
+        e = expected_tokens_positional(k, alphas, tail) if alphas else expected_tokens(k, tail)
+        curve.append({"k": k, "expected_tokens": e, "speedup": e * t_verify[0] / (k * t_draft + tv)})
+    best = max(curve, key=lambda c: c["speedup"])
+    return {"best_k": best["k"], "bound": best["speedup"], "curve": curve}
