@@ -1,0 +1,89 @@
+"""What a draft-length policy is, and the two simple ones.
+
+The loop asks ``choose(max_k)`` before each round and reports the outcome with ``observe``.
+When the session ends the owner calls ``close()`` (adaptive policies report what they learned
+to their ``AcceptanceMemory`` there). The adaptive policy is in ``specdec.policy.adaptive``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RoundObservation:
+    num_drafts: int
+    num_accepted: int
+    draft_s: float
+    verify_s: float
+    batch_size: int = 0  # sessions in the verifier's batched pass for this round (0: not reported)
+
+
+class DraftLengthPolicy(ABC):
+    name = "policy"
+
+    @abstractmethod
+    def choose(self, max_k: int) -> int:
+        """Draft length for the next round, 0 <= k <= max_k."""
+
+    def observe(self, outcome: RoundObservation) -> None:
+        """Learn from the round just verified."""
+
+    def expects_to_draft(self) -> bool:
+        """Whether the first rounds will likely draft (k > 0), asked before prefill without changing
+        anything: a drafter session that will not be needed soon can open later, so that its prefill
+        does not compete with the target's for time to first token. (Policies whose ``choose`` has
+        side effects override this.)"""
+        return self.choose(1 << 30) > 0
+
+    def close(self) -> None:
+        """The session is over (adaptive policies report to their memory here)."""
+
+    @property
+    def probing(self) -> bool:
+        """The last ``choose`` asked for a probe: a few drafts only to measure acceptance."""
+        return False
+
+    def start_shadow_probe(self) -> None:
+        """The loop runs the probe just chosen beside a plain round instead (see ``observe_shadow``):
+        this round verifies no drafts."""
+
+    def observe_shadow(self, num_drafts: int, num_accepted: int, draft_s: float | None = None) -> None:
+        """Outcome of a shadow probe: of ``num_drafts`` drafted, the leading ``num_accepted`` equal
+        what the target committed there (under greedy decoding exactly what verifying them would have
+        accepted). ``draft_s``: how long the drafter took to answer it (None: not a fair measure,
+        e.g. the probe that opened the drafter's session)."""
+
+
+class FixedDraftLength(DraftLengthPolicy):
+    name = "fixed"
+
+    def __init__(self, k: int) -> None:
+        if k < 0:
+            raise ValueError("num_draft_tokens must be >= 0")
+        self.k = k
+
+    def choose(self, max_k: int) -> int:
+        return min(self.k, max_k)
+
+
+class HeuristicDraftLength(DraftLengthPolicy):
+    """transformers' rule: all accepted -> k + 2, else k = max(1, k - 1)."""
+
+    name = "heuristic"
+
+    def __init__(self, initial_k: int = 5, max_k: int = 16) -> None:
+        self.k = initial_k
+        self.max_k = max_k
+
+    def choose(self, max_k: int) -> int:
+        return min(self.k, max_k)
+
+    def observe(self, outcome: RoundObservation) -> None:
+        if outcome.num_drafts == 0:
+            return
+        if outcome.num_accepted == outcome.num_drafts:
+            self.k = min(self.k + 2, self.max_k)
+        else:
+            self.k = max(1, self.k - 1)
