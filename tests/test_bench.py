@@ -9,7 +9,9 @@ import statistics
 import numpy as np
 import pytest
 
-from specdec import bench, speedup
+from specdec import speedup
+from specdec.bench import bound as bench_bound
+from specdec.bench import load, metrics, plots, prompts, report, runners
 from specdec.cli import main as cli_main
 from specdec.costs import isotonic
 
@@ -33,34 +35,34 @@ def prompt_file(tmp_path):
 # -- metric math ----------------------------------------------------------------------------------
 def test_itl_counts_tokens_not_chunks():
     # chunks at 0.1 (1 token: TTFT), 0.3 (4 tokens), 0.4 (1 token)
-    samples = bench.itl_per_token([0.1, 0.3, 0.4], [1, 4, 1])
+    samples = metrics.itl_per_token([0.1, 0.3, 0.4], [1, 4, 1])
     assert samples == pytest.approx([0.05] * 4 + [0.1])
-    assert bench.itl_per_token([0.1], [1]) == []
-    assert bench.itl_per_token([], []) == []
+    assert metrics.itl_per_token([0.1], [1]) == []
+    assert metrics.itl_per_token([], []) == []
 
 
 def test_tpot_formula():
-    assert bench.tpot(1.0, 0.1, 10) == pytest.approx(0.1)  # (1.0 - 0.1) / 9
-    assert bench.tpot(1.0, 0.1, 1) is None
-    assert bench.tpot(1.0, None, 5) is None
+    assert metrics.tpot(1.0, 0.1, 10) == pytest.approx(0.1)  # (1.0 - 0.1) / 9
+    assert metrics.tpot(1.0, 0.1, 1) is None
+    assert metrics.tpot(1.0, None, 5) is None
 
 
 def test_percentiles_match_numpy():
     values = [0.3, 0.1, 0.4, 0.15, 0.9, 0.2, 0.7]
     for q in (0, 50, 90, 99, 100):
-        assert bench.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
-    d = bench.distribution([1.0, 2.0, 3.0, 4.0])
+        assert metrics.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    d = metrics.distribution([1.0, 2.0, 3.0, 4.0])
     assert d == pytest.approx({"mean": 2.5, "p50": 2.5, "p90": 3.7, "p99": 3.97})
-    assert bench.distribution([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
+    assert metrics.distribution([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
 
 
 def test_summarize_records_throughput_and_latency():
     records = [
-        bench.RequestRecord("s", "1", "a", "x", 1, 0.0, latency_s=1.0, ttft_s=0.1, output_tokens=10,
+        metrics.RequestRecord("s", "1", "a", "x", 1, 0.0, latency_s=1.0, ttft_s=0.1, output_tokens=10,
                             chunk_offsets_s=[0.1, 0.55, 1.0], chunk_tokens=[1, 5, 4]),
-        bench.RequestRecord("s", "2", "b", "x", 1, 1.0, latency_s=0.5, error="UNAVAILABLE: down"),
+        metrics.RequestRecord("s", "2", "b", "x", 1, 1.0, latency_s=0.5, error="UNAVAILABLE: down"),
     ]
-    s = bench.summarize_records(records, duration_s=2.0)
+    s = metrics.summarize_records(records, duration_s=2.0)
     assert s["errors"] == 1 and s["completed"] == 1
     assert s["tokens_per_s"] == pytest.approx(5.0)
     assert s["requests_per_s"] == pytest.approx(0.5)
@@ -73,8 +75,8 @@ def test_summarize_records_throughput_and_latency():
 def test_position_counts_from_final_stats():
     # rounds: k=3 accepted 2, k=2 accepted 0, k=0, k=3 accepted 1
     stats = {"k_history": [3, 2, 0, 3], "per_position_acceptance": [2 / 3, 1 / 3, 0.0]}
-    assert bench.position_counts(stats) == ([3, 3, 2], [2, 1, 0])
-    merged = bench.merge_position_counts([stats, {"k_history": [1], "per_position_acceptance": [1.0]}])
+    assert metrics.position_counts(stats) == ([3, 3, 2], [2, 1, 0])
+    merged = metrics.merge_position_counts([stats, {"k_history": [1], "per_position_acceptance": [1.0]}])
     assert merged == ([4, 3, 2], [3, 1, 0])
 
 
@@ -106,18 +108,18 @@ def test_bound_acceptance_counts_shadow_probes_at_the_first_position():
     # shadow (33 matched): the drafts alone gave alpha = 1 and a 4x bound.
     rare = {"acceptance_rate": 1.0, "per_position_drafted": [4, 4, 4], "per_position_acceptance": [1.0, 1.0, 1.0],
             "shadow_probes": 90, "shadow_accepted": 33}
-    est = bench.bound_acceptance(rare)
+    est = metrics.bound_acceptance(rare)
     assert est["alphas_by_position"] == [pytest.approx(37 / 94)] and est["alpha"] == pytest.approx(37 / 94)
     assert est["first_position_samples"] == {"drafted_rounds": 4, "shadow_probes": 90, "accepted": 37,
                                              "alpha": pytest.approx(37 / 94)}
     # Enough verified drafts: the later positions keep their conditional rates; probes refine position 1.
     busy = {"acceptance_rate": 0.5, "per_position_drafted": [100, 50], "per_position_acceptance": [0.6, 0.3],
             "shadow_probes": 100, "shadow_accepted": 40}
-    est = bench.bound_acceptance(busy)
+    est = metrics.bound_acceptance(busy)
     assert est["alphas_by_position"] == [pytest.approx(0.5), pytest.approx(0.5)]
     assert est["alpha"] == pytest.approx((0.5 * 200 + 0.5 * 50) / 250)
     # No probes: as before.
-    assert bench.bound_acceptance({**busy, "shadow_probes": 0})["alphas_by_position"] == [
+    assert metrics.bound_acceptance({**busy, "shadow_probes": 0})["alphas_by_position"] == [
         pytest.approx(0.6), pytest.approx(0.5)]
 
 
@@ -143,39 +145,39 @@ def test_monotone_verify_curve():
 def test_fit_verify_cost_recovers_linear_model():
     a, b = 0.01, 0.002
     samples = [(r, d, a * r + b * d) for r, d in [(10, 0), (8, 24), (12, 12), (5, 40)]]
-    fit = bench.fit_verify_cost(samples)
+    fit = bench_bound.fit_verify_cost(samples)
     assert fit == pytest.approx((a, b))
-    assert bench.fit_verify_cost([(10, 0, 0.1)]) is None  # one request: underdetermined
-    assert bench.fit_verify_cost([(10, 0, 0.1), (20, 0, 0.2)]) is None  # no drafts: rank 1
+    assert bench_bound.fit_verify_cost([(10, 0, 0.1)]) is None  # one request: underdetermined
+    assert bench_bound.fit_verify_cost([(10, 0, 0.1), (20, 0, 0.2)]) is None  # no drafts: rank 1
 
 
 # -- prompts, systems, scheduling -----------------------------------------------------------------
 def test_builtin_prompt_sets():
-    mt = bench.load_prompts("mt_bench", limit=8)
+    mt = prompts.load_prompts("mt_bench", limit=8)
     assert len(mt) == 8 and len({c.category for c in mt}) == 8  # categories taken in turn
     assert all(c.chat and len(c.turns) == 2 for c in mt)
-    he = bench.load_prompts("humaneval", limit=2)
+    he = prompts.load_prompts("humaneval", limit=2)
     assert [c.id for c in he] == ["HumanEval/0", "HumanEval/1"]
     assert all(c.category == "humaneval" and not c.chat for c in he)
-    assert len(bench.load_prompts("mt_bench,humaneval")) == 80 + 164
+    assert len(prompts.load_prompts("mt_bench,humaneval")) == 80 + 164
     with pytest.raises(ValueError, match="--prompts"):
-        bench.load_prompts("no_such_set")
+        prompts.load_prompts("no_such_set")
 
 
 def test_parse_systems():
-    specs = bench.parse_systems("spec,spec-k=4,baseline,inprocess,hf,hf-assisted", local=False)
+    specs = runners.parse_systems("spec,spec-k=4,baseline,inprocess,hf,hf-assisted", local=False)
     assert [(s.kind, s.method, s.num_draft_tokens) for s in specs[:4]] == [
         ("gateway", "auto", 0), ("gateway", "auto", 4), ("gateway", "none", 0), ("local", "auto", 0)]
     assert specs[5].assisted and specs[4].kind == "hf"
-    assert bench.parse_systems("spec", local=True)[0].kind == "local"
+    assert runners.parse_systems("spec", local=True)[0].kind == "local"
     for bad in ("warp", "spec-k=0", "spec,spec"):
         with pytest.raises(ValueError, match="--systems"):
-            bench.parse_systems(bad, local=False)
+            runners.parse_systems(bad, local=False)
 
 
 def test_poisson_arrivals_seeded():
-    a = bench.poisson_arrivals(2000, rate=4.0, seed=1)
-    assert a == bench.poisson_arrivals(2000, rate=4.0, seed=1)
+    a = load.poisson_arrivals(2000, rate=4.0, seed=1)
+    assert a == load.poisson_arrivals(2000, rate=4.0, seed=1)
     assert a[0] == 0.0 and all(y >= x for x, y in zip(a, a[1:]))
     assert a[-1] / (len(a) - 1) == pytest.approx(0.25, rel=0.1)
 
@@ -183,22 +185,22 @@ def test_poisson_arrivals_seeded():
 def test_second_turn_gets_own_previous_answer():
     seen = []
 
-    class Echo(bench.Runner):
+    class Echo(runners.Runner):
         def generate(self, *, messages, prompt, max_new_tokens, temperature, seed):
             seen.append((messages, prompt))
-            clock = bench.ChunkClock()
+            clock = runners.ChunkClock()
             clock.chunk(1)
             clock.chunk(2)
             return clock.outcome(f"answer{len(seen)}")
 
-    conv = bench.Conversation("1", "writing", ["first?", "second?"], chat=True)
+    conv = prompts.Conversation("1", "writing", ["first?", "second?"], chat=True)
     cfg = type("Cfg", (), {"max_new_tokens": 8, "temperature": 0.0, "seed": 0})
-    records = bench.run_conversation(Echo(), "echo", conv, 0, cfg, 0.0, lambda n: None)
+    records = load.run_conversation(Echo(), "echo", conv, 0, cfg, 0.0, lambda n: None)
     assert [r.turn for r in records] == [1, 2]
     assert seen[1] == ([("user", "first?"), ("assistant", "answer1"), ("user", "second?")], None)
     assert records[0].output_tokens == 3 and records[0].chunk_tokens == [1, 2]
-    text = bench.Conversation("T/0", "humaneval", ["def f():"], chat=False)
-    bench.run_conversation(Echo(), "echo", text, 1, cfg, 0.0, lambda n: None)
+    text = prompts.Conversation("T/0", "humaneval", ["def f():"], chat=False)
+    load.run_conversation(Echo(), "echo", text, 1, cfg, 0.0, lambda n: None)
     assert seen[2] == (None, "def f():")
 
 
@@ -236,7 +238,7 @@ def test_bench_local_tiny(tiny_pair, prompt_file, tmp_path):
     assert summary["speedup"]["spec_vs_hf"] is None  # spec was not run
     assert summary["speedup"]["inprocess_vs_hf"] > 0
     bound = summary["bound"]
-    assert bound["bound"] >= 1.0 and len(bound["t_verify_s"]) == bench.VERIFY_CURVE_TOKENS
+    assert bound["bound"] >= 1.0 and len(bound["t_verify_s"]) == bench_bound.VERIFY_CURVE_TOKENS
     assert bound["measured_pair"] == ["inprocess", "hf"] and summary["speedup"]["measured_over_bound"] > 0
     roof = bound["roofline"]
     assert roof["bandwidth_gb_s"] > 0 and roof["weight_bytes"] > 0 and roof["step_over_memory_bound"] > 0
@@ -284,28 +286,26 @@ def test_bench_rounds_interleave_systems_with_the_same_requests(tiny_pair, promp
 def test_paired_round_ratios_and_their_spread_in_the_sweep_table(tmp_path):
     summaries = {"spec": {"round_tokens_per_s": [10.0, 12.0, 9.0]},
                  "baseline": {"round_tokens_per_s": [10.0, 10.0, 10.0]}}
-    by_round = bench.paired_round_ratios(summaries, "spec")
+    by_round = metrics.paired_round_ratios(summaries, "spec")
     assert by_round["ratios"] == pytest.approx([1.0, 1.2, 0.9])
     assert by_round["mean"] == pytest.approx(31 / 30)
     assert by_round["stderr"] == pytest.approx(statistics.stdev([1.0, 1.2, 0.9]) / math.sqrt(3))
     assert (by_round["min"], by_round["max"]) == (0.9, 1.2)
-    assert bench.paired_round_ratios(summaries, "inprocess") is None
-    assert bench.paired_round_ratios({"spec": {"round_tokens_per_s": [5.0]}, "baseline": {"round_tokens_per_s": [4.0]}},
+    assert metrics.paired_round_ratios(summaries, "inprocess") is None
+    assert metrics.paired_round_ratios({"spec": {"round_tokens_per_s": [5.0]}, "baseline": {"round_tokens_per_s": [4.0]}},
                                "spec")["stderr"] is None
-    assert bench.format_round_ratios(by_round) == "1.00, 1.20, 0.90 (mean 1.033 ± 0.088 s.e.)"
+    assert report.format_round_ratios(by_round) == "1.00, 1.20, 0.90 (mean 1.033 ± 0.088 s.e.)"
     point = {"concurrency": 1, "tokens_per_s": 1.0, "scaling_vs_first_level": 1.0, "ttft_p50_s": 0.1,
              "tpot_p50_s": 0.1, "mean_accepted_length": None, "k_mean": None, "mean_batch_size": 1.0, "errors": 0}
     sweep = {"levels": [1, 2], "config": {"prompts": "p", "limit": 2, "requests_per_system": 3, "max_new_tokens": 8,
                                           "temperature": 0.0},
              "systems": {"spec": [point, {**point, "concurrency": 2}]}, "spec_vs_baseline": [1.033, 0.98],
              "spec_vs_baseline_by_round": [by_round, None], "plot": "concurrency_scaling.png"}
-    table = bench.render_sweep(sweep)
+    table = report.render_sweep(sweep)
     assert "| per round: min – max | 0.90 – 1.20 | – |" in table
     assert "| per round: mean ± s.e. | 1.033 ± 0.088 | – |" in table
-    from specdec import bench_plots
-
     sweep["systems"]["baseline"] = sweep["systems"]["spec"]
-    assert bench_plots.plot_concurrency_scaling(tmp_path / "scaling.png", sweep) == "scaling.png"
+    assert plots.plot_concurrency_scaling(tmp_path / "scaling.png", sweep) == "scaling.png"
     assert (tmp_path / "scaling.png").read_bytes()[:8] == PNG_MAGIC
 
 
@@ -372,9 +372,9 @@ def test_bench_concurrency_sweep_up_tiny(tiny_pair, prompt_file, tmp_path):
 
 
 def test_concurrency_levels_parse():
-    assert bench.parse_concurrency(None) is None
-    assert bench.parse_concurrency("4") == [4]
-    assert bench.parse_concurrency("1, 2,8") == [1, 2, 8]
+    assert load.parse_concurrency(None) is None
+    assert load.parse_concurrency("4") == [4]
+    assert load.parse_concurrency("1, 2,8") == [1, 2, 8]
     for bad in ("0", "1,x", ""):
         with pytest.raises(ValueError, match="--concurrency"):
-            bench.parse_concurrency(bad)
+            load.parse_concurrency(bad)

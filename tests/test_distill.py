@@ -155,7 +155,7 @@ def test_the_target_writes_user_requests_that_resume_and_feed_the_answers(tiny_p
 
 
 def test_requests_overlapping_a_benchmark_prompt_are_dropped():
-    from specdec.bench import load_prompts
+    from specdec.bench.prompts import load_prompts
 
     n = 8
     question = load_prompts("mt_bench")[0].turns[0]

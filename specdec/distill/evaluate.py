@@ -31,7 +31,7 @@ def mean_accepted_length(lengths: Sequence[int]) -> float | None:
 
 def benchmark_items(limit: int | None = None) -> list[dict]:
     """MT-bench (both turns) and HumanEval prompts from the bench's built-in sets, in file order."""
-    from specdec.bench import load_prompts
+    from specdec.bench.prompts import load_prompts
 
     items = []
     for conv in load_prompts("mt_bench,humaneval"):

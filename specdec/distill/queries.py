@@ -66,7 +66,7 @@ def word_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
 
 def benchmark_ngrams(n: int) -> set[tuple[str, ...]]:
     """Every ``n``-word run in the benchmark prompts (both MT-bench turns, HumanEval): the decontamination set."""
-    from specdec.bench import load_prompts
+    from specdec.bench.prompts import load_prompts
 
     grams: set[tuple[str, ...]] = set()
     for conversation in load_prompts("mt_bench,humaneval"):

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from specdec.bench.metrics import MIN_POSITION_DRAFTS, tpot
+
 PLOTS = ("speedup_by_category.png", "acceptance_by_position.png", "latency_cdf.png", "k_over_time.png")
 
 
@@ -77,8 +79,6 @@ def plot_acceptance_by_position(path: Path, summary: dict) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     drawn = False
-    from specdec.bench import MIN_POSITION_DRAFTS
-
     for name, s in summary["systems"].items():
         rates = s.get("per_position_acceptance") or []
         drafted = s.get("per_position_drafted") or [MIN_POSITION_DRAFTS] * len(rates)
@@ -112,8 +112,6 @@ def _ecdf(ax, values, label) -> None:
 
 
 def plot_latency_cdfs(path: Path, summary: dict, records: dict) -> None:
-    from specdec.bench import tpot
-
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     panels = (

@@ -1,0 +1,40 @@
+"""``specdec bench``: load benchmarks of speculative decoding against plain decoding.
+
+Runs prompt sets (MT-bench, HumanEval, or JSONL files in either format) through one or more
+*systems* and writes ``summary.json``, ``report.md``, ``requests.jsonl`` and PNG plots:
+
+- ``spec``: the gateway with adaptive draft length (``num_draft_tokens=0``);
+- ``spec-k=N``: the gateway with a fixed draft length N;
+- ``spec-ahead`` / ``spec-noahead``: ``spec`` with draft-ahead forced on / off for the request
+  (``spec`` takes the gateway's ``--draft-ahead`` default);
+- ``baseline``: the same stack with ``method=none`` (plain decoding);
+- ``inprocess``: the core loop without gRPC (``specdec.local.LocalEngine``, adaptive k);
+- ``hf``: transformers ``generate`` on the target alone;
+- ``hf-assisted``: transformers assisted generation with the same draft model (needs --draft-model).
+
+With ``--local`` there is no gateway: ``spec``, ``spec-k=N`` and ``baseline`` run the same loop
+in-process (so ``spec`` and ``inprocess`` coincide there).
+
+Metrics follow the usual serving benchmarks: TTFT; TPOT = (latency - TTFT) / (tokens - 1);
+ITL counted per token (a chunk of n tokens arriving g after the previous one gives n samples of
+g / n, since speculative chunks carry several tokens); end-to-end latency; output tokens/s and
+requests/s over the wall time of the run; plus the speculation figures from the final stats.
+
+The analytic bound: with per-position acceptance alpha_i, per-token draft cost t_draft and the
+verify-cost curve t_verify(k) (the target's forward over k + 1 tokens),
+
+    bound = max_k E[tokens](k) * t_verify(0) / (k * t_draft + t_verify(k)),
+    E[tokens](k) = 1 + sum_{j=1..k} prod_{i<=j} alpha_i   (= (1 - a^(k+1)) / (1 - a) for alpha_i = a),
+
+and ``measured_over_bound`` = (spec tokens/s / baseline tokens/s) / bound.
+
+Modules (each imports only those listed before it):
+
+- ``prompts``: the prompt sets (built-in MT-bench and HumanEval, JSONL files) as ``Conversation``s;
+- ``runners``: the systems (``parse_systems``) and the runners that generate one completion each;
+- ``metrics``: per-request records, latency distributions, per-system summaries and speedups;
+- ``load``: conversations through a runner, back to back or on Poisson arrivals;
+- ``bound``: the analytic bound (its formulas are ``specdec.speedup``'s) and the measurements it needs;
+- ``report`` and ``plots``: ``report.md`` / ``concurrency.md`` and the PNG plots;
+- ``cli``: the command's arguments, a whole run with its outputs, and the concurrency sweep.
+"""

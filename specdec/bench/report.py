@@ -1,0 +1,175 @@
+"""``report.md`` of a bench run and ``concurrency.md`` of a concurrency sweep (Markdown tables)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+
+def fmt(value, scale: float = 1.0, digits: int = 2) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "–"
+    return f"{value * scale:.{digits}f}"
+
+
+def format_round_ratios(by_round: dict) -> str:
+    """``0.96, 1.04, 0.95 (mean 0.983 ± 0.028 s.e.)``"""
+    spread = f" ± {by_round['stderr']:.3f} s.e." if by_round.get("stderr") is not None else ""
+    return ", ".join(f"{r:.2f}" for r in by_round["ratios"]) + f" (mean {by_round['mean']:.3f}{spread})"
+
+
+def render_report(summary: dict) -> str:
+    cfg, systems, speed, bound = summary["config"], summary["systems"], summary["speedup"], summary["bound"]
+    machine = summary["machine"]
+    lines = ["# specdec bench report", ""]
+    lines.append(f"- mode: **{cfg['mode']}**" + (f" (gateway {cfg['gateway']})" if cfg["gateway"] else ""))
+    local_draft = cfg["draft_model"] or "none (n-gram drafter)"
+    if cfg["mode"] == "local":
+        lines.append(f"- target: `{cfg['target']}`; draft model: `{local_draft}`")
+    else:
+        methods = sorted({s["draft_method"] for s in systems.values() if s.get("draft_method")})
+        lines.append(f"- gateway systems: the gateway's models (draft methods seen: {', '.join(methods) or 'none'}); "
+                     f"local systems (if any): target `{cfg['target']}`, draft `{local_draft}`")
+    lines.append(f"- prompts: `{cfg['prompts']}`, limit {cfg['limit']} per set → {cfg['conversations']} conversations, "
+                 f"{cfg['requests_per_system']} requests per system")
+    lines.append(f"- max_new_tokens {cfg['max_new_tokens']}, temperature {cfg['temperature']}, seed {cfg['seed']}, "
+                 f"concurrency {cfg['concurrency'] or ('unbounded' if cfg['request_rate'] else 1)}, "
+                 f"request rate {cfg['request_rate'] or 'back to back'}")
+    if cfg["net_delay_ms"] and cfg.get("net_delay_injected"):
+        lines.append(f"- net delay: {cfg['net_delay_ms']} ms one way on every gateway↔drafter/verifier message "
+                     "(injected by the gateway this bench started)")
+    elif cfg["net_delay_ms"]:
+        lines.append(f"- net delay: {cfg['net_delay_ms']} ms (recorded; injected only if the gateway was started "
+                     "with --net-delay-ms)")
+    else:
+        lines.append("- net delay: 0 ms")
+    lines.append(f"- machine: {machine.get('cpu_model', machine.get('processor'))}, {machine.get('cpu_count')} CPUs, "
+                 f"{machine.get('torch_threads')} torch threads"
+                 + (f", GPU {machine['gpu']}" if machine.get("gpu") else "")
+                 + f"; torch {machine.get('torch')}, transformers {machine.get('transformers')}")
+    lines.append("")
+    for name, reason in summary.get("skipped", {}).items():
+        lines.append(f"> **{name}** {reason}")
+        lines.append("")
+
+    lines += ["## Systems", "",
+              "| system | kind | tok/s | req/s | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) "
+              "| latency p50 / p99 (s) | acceptance | mean accepted len | mean k | errors |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, s in systems.items():
+        lines.append(
+            f"| {name} | {s.get('kind')} | {fmt(s['tokens_per_s'])} | {fmt(s['requests_per_s'], digits=3)} "
+            f"| {fmt(s['ttft_p50_s'], 1e3, 0)} / {fmt(s['ttft_p90_s'], 1e3, 0)} / {fmt(s['ttft_p99_s'], 1e3, 0)} "
+            f"| {fmt(s['tpot_p50_s'], 1e3, 1)} / {fmt(s['tpot_p99_s'], 1e3, 1)} "
+            f"| {fmt(s['itl_p50_s'], 1e3, 1)} / {fmt(s['itl_p99_s'], 1e3, 1)} "
+            f"| {fmt(s['latency_p50_s'])} / {fmt(s['latency_p99_s'])} "
+            f"| {fmt(s.get('acceptance_rate'), digits=3)} | {fmt(s.get('mean_accepted_length'))} "
+            f"| {fmt(s.get('k_mean'))} | {s['errors']} |")
+    lines.append("")
+    lines.append("TTFT, TPOT = (latency − TTFT)/(tokens − 1), ITL counted per token (a chunk of n tokens "
+                 "after a gap g counts n × g/n), latency: mean / p50 / p90 / p99 of each are in summary.json. "
+                 "tok/s and req/s are over the wall time of the system's run.")
+    lines.append("")
+    errors = {n: s["first_error"] for n, s in systems.items() if s.get("first_error")}
+    for name, err in errors.items():
+        lines.append(f"- first error of {name}: `{err}`")
+    if errors:
+        lines.append("")
+
+    lines += ["## Speedup (output tokens/s ratio)", "", "| comparison | speedup |", "|---|---:|"]
+    for key, value in speed.items():
+        lines.append(f"| {key} | {fmt(value, digits=3)} |")
+    lines.append("")
+    if by_round := summary.get("spec_vs_baseline_by_round"):
+        lines += [f"{by_round['pair'][0]} / {by_round['pair'][1]} within each interleaved round: "
+                  f"{format_round_ratios(by_round)}", ""]
+
+    lines += ["## Analytic bound", ""]
+    if bound.get("bound") is not None:
+        alphas = ", ".join(f"{a:.2f}" for a in bound.get("alphas_by_position", [])) or "–"
+        lines += [
+            f"- acceptance from **{bound['acceptance_from']}**: per-token α = {fmt(bound['alpha'], digits=3)} "
+            f"(acceptance rate {fmt(bound['acceptance_rate'], digits=3)}); conditional α by position: {alphas}",
+            f"- t_draft per token = {fmt(bound['t_draft_s'], 1e3, 2)} ms ({bound['t_draft_source']})",
+            f"- t_verify(k): {bound['t_verify_source']}",
+            f"- bound = max_k E[tokens](k)·t_verify(0)/(k·t_draft + t_verify(k)) = **{fmt(bound['bound'], digits=3)}×** "
+            f"at k = {bound['best_k']} (geometric in the acceptance rate: {fmt(bound['bound_geometric_acceptance_rate'], digits=3)}× "
+            f"at k = {bound['best_k_geometric_acceptance_rate']})",
+        ]
+        roof = bound.get("roofline") or {}
+        if roof.get("memory_bound_step_s"):
+            lines.append(f"- target step vs memory bandwidth: {roof['weight_bytes'] / 1e6:.0f} MB of weights ÷ "
+                         f"{roof['bandwidth_gb_s']:.1f} GB/s measured = {fmt(roof['memory_bound_step_s'], 1e3, 1)} ms; "
+                         f"t_verify(0) = {fmt(roof['measured_step_s'], 1e3, 1)} ms "
+                         f"(**{fmt(roof['step_over_memory_bound'], digits=2)}×** the bound)")
+        if bound.get("measured") is not None:
+            pair = bound["measured_pair"]
+            lines.append(f"- measured = {pair[0]} tok/s ÷ {pair[1]} tok/s = {fmt(bound['measured'], digits=3)}×; "
+                         f"measured / bound = **{fmt(bound['measured_over_bound'], digits=3)}**")
+        lines += ["", "| k | t_verify(k) (ms) | E[tokens](k) | speedup(k) |", "|---:|---:|---:|---:|"]
+        for point in bound["curve"]:
+            k = point["k"]
+            lines.append(f"| {k} | {fmt(bound['t_verify_s'][k], 1e3, 2)} | {fmt(point['expected_tokens'], digits=3)} "
+                         f"| {fmt(point['speedup'], digits=3)} |")
+    lines.append("")
+    if bound.get("note"):
+        lines += [f"Note: {bound['note']}", ""]
+
+    categories = sorted({c for s in systems.values() for c in s.get("per_category", {})})
+    if categories and systems:
+        names = list(systems)
+        lines += ["## Per category (tokens/s over summed request latency; acceptance)", "",
+                  "| category | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+        for c in categories:
+            cells = []
+            for n in names:
+                pc = systems[n].get("per_category", {}).get(c)
+                if pc is None:
+                    cells.append("–")
+                    continue
+                cell = fmt(pc["tokens_per_s"])
+                if pc.get("acceptance_rate") is not None:
+                    cell += f" (α {pc['acceptance_rate']:.2f})"
+                cells.append(cell)
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        lines.append("")
+
+    plots = summary.get("plots") or []
+    if plots:
+        lines += ["## Plots", ""]
+        for p in plots:
+            lines.append(f"![{Path(p).stem}]({p})")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def render_sweep(sweep: dict) -> str:
+    cfg = sweep["config"]
+    lines = ["# specdec bench: concurrency sweep", "",
+             f"- prompts `{cfg['prompts']}`, limit {cfg['limit']} → {cfg['requests_per_system']} requests per system "
+             f"and level; max_new_tokens {cfg['max_new_tokens']}, temperature {cfg['temperature']}",
+             f"- levels (conversations in flight): {', '.join(map(str, sweep['levels']))}; each level's full report "
+             "is in c<N>/report.md", "",
+             "| system | concurrency | tok/s (aggregate) | × level 1 | TTFT p50 (ms) | TPOT p50 (ms) "
+             "| mean accepted len | mean k | mean verifier batch | errors |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, points in sweep["systems"].items():
+        for p in points:
+            lines.append(f"| {name} | {p['concurrency']} | {fmt(p['tokens_per_s'])} | {fmt(p['scaling_vs_first_level'])} "
+                         f"| {fmt(p['ttft_p50_s'], 1e3, 0)} | {fmt(p['tpot_p50_s'], 1e3, 1)} "
+                         f"| {fmt(p['mean_accepted_length'])} | {fmt(p['k_mean'])} | {fmt(p['mean_batch_size'])} "
+                         f"| {p['errors']} |")
+    lines += ["", "| concurrency | " + " | ".join(map(str, sweep["levels"])) + " |",
+              "|---|" + "---:|" * len(sweep["levels"]),
+              "| spec / baseline | " + " | ".join(fmt(v, digits=3) for v in sweep["spec_vs_baseline"]) + " |"]
+    by_round = sweep.get("spec_vs_baseline_by_round") or []
+    if any(by_round):
+        lines += ["| per round: min – max | " + " | ".join(
+                      f"{b['min']:.2f} – {b['max']:.2f}" if b else "–" for b in by_round) + " |",
+                  "| per round: mean ± s.e. | " + " | ".join(
+                      (f"{b['mean']:.3f} ± {b['stderr']:.3f}" if b.get("stderr") is not None else f"{b['mean']:.3f}")
+                      if b else "–" for b in by_round) + " |"]
+    lines += ["", f"![concurrency scaling]({sweep['plot']})", ""]
+    return "\n".join(lines)

@@ -1,0 +1,232 @@
+"""The systems ``specdec bench`` compares, and the runners that generate one completion each
+(through the gateway, the in-process loop, or transformers ``generate``) with client-side chunk times."""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+SYSTEM_KINDS = ("spec", "spec-k=N", "spec-ahead", "spec-noahead", "baseline", "inprocess", "hf", "hf-assisted")
+DEFAULT_GATEWAY_SYSTEMS = "spec,baseline"
+DEFAULT_LOCAL_SYSTEMS = "inprocess,baseline,hf"
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    name: str
+    kind: str  # "gateway" | "local" | "hf"
+    method: str = "auto"  # gateway: auto | none; local: draft | none
+    num_draft_tokens: int = 0  # 0 = adaptive
+    assisted: bool = False
+    draft_ahead: bool | None = None  # gateway: None = the gateway's default
+
+
+def parse_systems(text: str, local: bool) -> list[SystemSpec]:
+    specs: list[SystemSpec] = []
+    stack = "local" if local else "gateway"
+    for name in [s.strip() for s in text.split(",") if s.strip()]:
+        if name == "spec":
+            spec = SystemSpec(name, stack, "auto", 0)
+        elif m := re.fullmatch(r"spec-k=(\d+)", name):
+            k = int(m.group(1))
+            if k < 1:
+                raise ValueError("--systems: spec-k=N needs N >= 1")
+            spec = SystemSpec(name, stack, "auto", k)
+        elif name in ("spec-ahead", "spec-noahead"):
+            if local:
+                raise ValueError(f"--systems: {name} needs a gateway (draft-ahead overlaps separate services)")
+            spec = SystemSpec(name, stack, "auto", 0, draft_ahead=name == "spec-ahead")
+        elif name == "baseline":
+            spec = SystemSpec(name, stack, "none", 0)
+        elif name == "inprocess":
+            spec = SystemSpec(name, "local", "auto", 0)
+        elif name == "hf":
+            spec = SystemSpec(name, "hf")
+        elif name == "hf-assisted":
+            spec = SystemSpec(name, "hf", assisted=True)
+        else:
+            raise ValueError(f"--systems: unknown system {name!r} (choose from {', '.join(SYSTEM_KINDS)})")
+        if any(s.name == name for s in specs):
+            raise ValueError(f"--systems: {name!r} given twice")
+        specs.append(spec)
+    if not specs:
+        raise ValueError("--systems: none given")
+    return specs
+
+
+@dataclass
+class Outcome:
+    """What one generation returned, with client-side timestamps (perf_counter seconds)."""
+
+    start: float
+    end: float
+    chunk_times: list[float]
+    chunk_tokens: list[int]
+    text: str
+    finish_reason: str = ""
+    stats: dict | None = None
+
+
+class ChunkClock:
+    """Collects (time, token count) per non-empty chunk."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.times: list[float] = []
+        self.tokens: list[int] = []
+
+    def chunk(self, n: int) -> None:
+        if n > 0:
+            self.times.append(time.perf_counter())
+            self.tokens.append(n)
+
+    def outcome(self, text: str, finish_reason: str = "", stats: dict | None = None) -> Outcome:
+        return Outcome(self.start, time.perf_counter(), self.times, self.tokens, text, finish_reason, stats)
+
+
+Messages = list[tuple[str, str]]
+
+
+class Runner:
+    """Generates one completion for ``messages`` (chat) or ``prompt`` (plain text)."""
+
+    def generate(self, *, messages: Messages | None, prompt: str | None, max_new_tokens: int,
+                 temperature: float, seed: int) -> Outcome:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class GatewayRunner(Runner):
+    def __init__(self, client, method: str, num_draft_tokens: int, draft_ahead: bool | None = None) -> None:
+        self.client = client
+        self.method = method
+        self.num_draft_tokens = num_draft_tokens
+        self.draft_ahead = draft_ahead
+
+    def generate(self, *, messages, prompt, max_new_tokens, temperature, seed) -> Outcome:
+        from specdec.client import ChunkEvent
+
+        kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                      method=self.method, num_draft_tokens=self.num_draft_tokens, draft_ahead=self.draft_ahead)
+        if messages is not None:
+            kwargs["messages"] = messages
+        else:
+            kwargs["prompt"] = prompt
+        clock = ChunkClock()
+        text, final = "", None
+        for event in self.client.stream(**kwargs):
+            if isinstance(event, ChunkEvent):
+                clock.chunk(len(event.token_ids))
+                text += event.text
+            else:
+                final = event
+        if final is None:
+            raise RuntimeError("the stream ended without a final message")
+        return clock.outcome(text, final.finish_reason, dict(final.stats))
+
+
+def encode(tokenizer, messages: Messages | None, prompt: str | None) -> list[int]:
+    from specdec.prompts import encode_chat, encode_text
+
+    return encode_chat(tokenizer, messages) if messages is not None else encode_text(tokenizer, prompt)
+
+
+class LocalRunner(Runner):
+    """The core loop in this process (``LocalEngine``); each call runs its own event loop."""
+
+    def __init__(self, target, drafter, num_draft_tokens: int) -> None:
+        from specdec.local import LocalEngine
+
+        self.target = target
+        self.engine = LocalEngine(target, drafter)
+        self.num_draft_tokens = num_draft_tokens
+
+    def generate(self, *, messages, prompt, max_new_tokens, temperature, seed) -> Outcome:
+        import asyncio
+
+        from specdec.completion import Chunk
+        from specdec.sampling import SamplingParams
+
+        prompt_ids = encode(self.target.tokenizer, messages, prompt)
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+
+        async def consume() -> Outcome:
+            clock = ChunkClock()
+            result = None
+            async for event in self.engine.stream(prompt_ids, params, self.num_draft_tokens):
+                if isinstance(event, Chunk):
+                    clock.chunk(len(event.token_ids))
+                else:
+                    result = event
+            return clock.outcome(result.text, result.finish_reason, result.stats.to_dict())
+
+        return asyncio.run(consume())
+
+
+class HFRunner(Runner):
+    """transformers ``generate`` on the target, optionally with ``assistant_model``."""
+
+    def __init__(self, target, draft=None) -> None:
+        self.target = target
+        self.draft = draft
+
+    def generate(self, *, messages, prompt, max_new_tokens, temperature, seed) -> Outcome:
+        import torch
+        from transformers.generation.streamers import BaseStreamer
+
+        from specdec.sampling import GREEDY_TEMPERATURE
+
+        tokenizer = self.target.tokenizer
+        prompt_ids = encode(tokenizer, messages, prompt)
+        eos = list(self.target.eos_token_ids)
+
+        class Streamer(BaseStreamer):
+            def __init__(self, clock: ChunkClock) -> None:
+                self.clock = clock
+                self.seen_prompt = False
+
+            def put(self, value) -> None:
+                if not self.seen_prompt:  # generate() first streams the prompt itself
+                    self.seen_prompt = True
+                    return
+                self.clock.chunk(int(value.numel()))
+
+            def end(self) -> None:
+                pass
+
+        kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=eos or None,
+                      pad_token_id=(eos[0] if eos else tokenizer.pad_token_id))
+        if temperature >= GREEDY_TEMPERATURE:  # as the engine: below it, greedy
+            kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+            torch.manual_seed(seed)
+        else:
+            kwargs.update(do_sample=False)
+        if self.draft is not None:
+            kwargs["assistant_model"] = self.draft.model
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.target.device)
+        clock = ChunkClock()
+        with torch.inference_mode():
+            output = self.target.model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), streamer=Streamer(clock), **kwargs
+            )
+        new_tokens = output[0, len(prompt_ids):].tolist()
+        outcome = clock.outcome(tokenizer.decode(new_tokens, skip_special_tokens=True))
+        finished_on_eos = bool(new_tokens) and new_tokens[-1] in eos
+        outcome.finish_reason = "stop" if finished_on_eos else "length"
+        # The streamer saw exactly the new tokens; trust generate's output if they disagree.
+        if sum(outcome.chunk_tokens) != len(new_tokens) and outcome.chunk_times:
+            outcome.chunk_tokens[-1] += len(new_tokens) - sum(outcome.chunk_tokens)
+        return outcome
+
+
+def describe_error(exc: BaseException) -> str:
+    code = getattr(exc, "code", None)
+    if callable(code):
+        try:
+            return f"{code().name}: {exc.details()}"
+        except Exception:  # noqa: BLE001 - any failure to describe falls back to repr
+            pass
+    return f"{type(exc).__name__}: {exc}"
