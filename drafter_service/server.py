@@ -7,10 +7,10 @@ import logging
 import time
 
 from specdec import telemetry
-from specdec.batching import BatchingOptions
 from specdec.drafters import Drafter, DraftSession, ModelDrafter, NgramDrafter
 from specdec.models import EMBEDDED_DRAFT, LoadedModel, load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.rpc import convert
+from specdec.rpc.scheduler import BatchingOptions
 from specdec.rpc.server import NotReady, idle_guard, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
 from specdec.rpc.sessions import ModelWorkerService
 from specdec.sampling import DraftProposal, SamplingParams

@@ -19,7 +19,6 @@ from specdec.policy import AcceptanceMemory, make_policy
 from specdec.prompts import encode_chat, encode_text
 from specdec.rpc import convert
 from specdec.rpc.server import NotReady, Overloaded, ServeOptions, ServiceRuntime, map_errors, open_channel
-from specdec.rpc.sessions import ServiceMetrics
 from specdec.sampling import with_random_seed
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
@@ -145,10 +144,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.limits = limits
         self.verifiers = verifiers
         self.drafters = drafters
-        self.metrics = ServiceMetrics(runtime.registry, "gateway")
         self.telemetry = telemetry.current()
+        self.metrics = telemetry.ServiceMetrics(runtime.registry, "gateway", self.telemetry)
         self.genai_metrics = telemetry.GenAIMetrics(runtime.registry, self.telemetry)
-        self.telemetry.observe_active_sessions("gateway", lambda: self.active)
         self.model_name = ""  # gen_ai.request.model: the gateway's --target
         self.active = 0
         self.eos_token_ids: tuple[int, ...] = ()

@@ -13,9 +13,9 @@ import argparse
 import random
 import time
 
-from specdec.batching import ForwardRow, batched_forward
 from specdec.kv import KVSession
 from specdec.models import load_model
+from specdec.ragged import ForwardRow, batched_forward
 
 VOCAB = 1000  # ids drawn below this: timing does not depend on which tokens they are
 

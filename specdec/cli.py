@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "from the verifier's forward passes (0: torch's default, one per core)")
 
     bench = sub.add_parser("bench", help="benchmark spec decoding vs baselines (gateway or --local)")
-    from specdec.bench import add_arguments as _add_bench_arguments
+    from specdec.bench.cli import add_arguments as _add_bench_arguments
 
     _add_bench_arguments(bench)
 
@@ -294,7 +294,7 @@ def _generate_remote(args) -> int:
 
 
 def _batching(args):
-    from specdec.batching import BatchingOptions
+    from specdec.rpc.scheduler import BatchingOptions
 
     if args.max_batch_size < 1:
         raise SystemExit("--max-batch-size must be >= 1")
@@ -475,7 +475,7 @@ def _sim(args) -> int:
 
 
 def _bench(args) -> int:
-    from specdec import bench
+    from specdec.bench import cli as bench
 
     return bench.main(args)
 

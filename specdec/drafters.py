@@ -10,9 +10,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
-from specdec.batching import ForwardRow, batched_forward
 from specdec.kv import KVSession
-from specdec.models import LoadedModel
+from specdec.lm import LoadedModel
+from specdec.ragged import ForwardRow, batched_forward
 from specdec.sampling import (
     STREAM_DRAFT,
     DraftProposal,

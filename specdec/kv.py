@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.models import LoadedModel
+from specdec.lm import LoadedModel
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:

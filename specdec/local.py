@@ -8,7 +8,7 @@ from specdec.completion import Chunk, CompletionBuilder
 from specdec.costs import measure_forward_curve
 from specdec.drafters import Drafter
 from specdec.engine import GenerationResult, LocalDrafter, LocalVerifier, generate
-from specdec.models import LoadedModel
+from specdec.lm import LoadedModel
 from specdec.policy import AcceptanceMemory, DraftLengthPolicy, make_policy
 from specdec.sampling import SamplingParams, with_random_seed
 from specdec.verification import TargetSession

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.acceptance import AcceptanceResult, accept_greedy, accept_speculative
-from specdec.batching import BatchInfo, ForwardRow, batched_forward
 from specdec.kv import KVSession
-from specdec.models import LoadedModel
+from specdec.lm import LoadedModel
+from specdec.ragged import BatchInfo, ForwardRow, batched_forward
 from specdec.sampling import (
     STREAM_VERIFY,
     DraftProposal,

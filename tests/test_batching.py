@@ -13,10 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from specdec.batching import BatchingOptions, BatchScheduler, ForwardRow, batched_forward
 from specdec.client import GatewayClient
 from specdec.drafters import ModelDrafter, ScriptedDrafter
 from specdec.kv import KVSession
+from specdec.ragged import ForwardRow, batched_forward
+from specdec.rpc.scheduler import BatchingOptions, BatchScheduler
 from specdec.sampling import DraftProposal, SamplingParams
 from specdec.verification import PrefillChunk, TargetSession, verify_batch
 from tests.harness import scrape_metric, start_stack

@@ -8,10 +8,10 @@ import logging
 import time
 
 from specdec import telemetry
-from specdec.batching import BatchingOptions
 from specdec.costs import measure_forward_curve
 from specdec.models import LoadedModel, load_model
 from specdec.rpc import convert
+from specdec.rpc.scheduler import BatchingOptions
 from specdec.rpc.server import NotReady, idle_guard, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
 from specdec.rpc.sessions import ModelWorkerService
 from specdec.sampling import DraftProposal

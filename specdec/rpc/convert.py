@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from specdec.batching import BatchInfo
 from specdec.completion import FINISH_LENGTH, FINISH_STOP
 from specdec.engine import GenerationStats
-from specdec.models import LoadedModel
+from specdec.lm import LoadedModel
+from specdec.ragged import BatchInfo
 from specdec.sampling import DEFAULT_DRAFT_TOP_K, DraftProposal, SamplingParams, SparseDistribution
 from specdec.v1 import gateway_pb2, types_pb2
 from specdec.verification import Verdict

@@ -5,50 +5,10 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-from specdec.batching import BatchingOptions, BatchScheduler
+from specdec import telemetry
+from specdec.rpc.scheduler import BatchingOptions, BatchScheduler
 from specdec.rpc.server import Overloaded, SessionNotFound
-
-
-class ServiceMetrics:
-    """The Prometheus series every service exports (names shared across roles)."""
-
-    def __init__(self, registry: CollectorRegistry, role: str) -> None:
-        self.active_sessions = Gauge(
-            "specdec_active_sessions", "Generation sessions holding state on this service", ["role"], registry=registry
-        ).labels(role)
-        self.requests = Counter(
-            "specdec_requests", "Sessions (or gateway requests) started", ["role"], registry=registry
-        ).labels(role)
-        self.rejected = Counter(
-            "specdec_rejected_requests", "Requests refused (bad input or overload)", ["role", "code"], registry=registry
-        )
-        self.tokens = Counter(
-            "specdec_tokens", "Tokens produced: committed on verifier/gateway, drafted on drafter", ["role"], registry=registry
-        ).labels(role)
-        self.draft_tokens = Counter(
-            "specdec_draft_tokens", "Draft tokens verified", ["role"], registry=registry
-        ).labels(role)
-        self.accepted_tokens = Counter(
-            "specdec_accepted_tokens", "Draft tokens accepted", ["role"], registry=registry
-        ).labels(role)
-        self.batch_size = Histogram(
-            "specdec_batch_size", "Sessions served by one batched forward pass", ["role"], registry=registry,
-            buckets=(1, 2, 4, 8, 16, 32, 64),
-        ).labels(role)
-        self.batch_pass_seconds = Histogram(
-            "specdec_batch_pass_seconds", "Duration of one batched forward pass", ["role"], registry=registry,
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
-        ).labels(role)
-        self.prefill_chunks = Counter(
-            "specdec_prefill_chunks", "Prompt chunks fed in passes shared with decoding sessions (chunked prefill)",
-            ["role"], registry=registry,
-        ).labels(role)
-        self.batch_queue_wait_seconds = Histogram(
-            "specdec_batch_queue_wait_seconds", "A message's wait for the batched pass that served it", ["role"],
-            registry=registry, buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
-        ).labels(role)
+from specdec.telemetry import ServiceMetrics
 
 
 class SessionRegistry:
@@ -104,12 +64,11 @@ class ModelWorkerService:
                  idle_timeout_s: float | None = 300.0, batching: BatchingOptions | None = None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        from specdec import telemetry
-
         self.runtime = runtime
         self.idle_timeout_s = idle_timeout_s
         self.max_draft_tokens = max_draft_tokens
-        self.metrics = ServiceMetrics(runtime.registry, self.role)
+        # Prometheus series on the service's registry, and OTel instruments when a meter is installed.
+        self.metrics = ServiceMetrics(runtime.registry, self.role, telemetry.current())
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-model")
         # A session's KV cache is freed on the model thread, after any pass that is using it.
         self.sessions = SessionRegistry(max_sessions, self.metrics,
@@ -117,7 +76,6 @@ class ModelWorkerService:
         self.batching = batching or BatchingOptions()
         self.batcher = BatchScheduler(self._run_batch, self.executor, self.batching,
                                       on_pass=self._observe_pass, expected=lambda: len(self.sessions))
-        telemetry.current().observe_active_sessions(self.role, lambda: len(self.sessions))
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)

@@ -1,0 +1,115 @@
+"""A loaded causal LM (``LoadedModel``): KV-cached forwards, vocabulary facts, the FR-Spec head.
+
+The loader (``specdec.models``) builds it; KV sessions (``specdec.kv``) and batched passes
+(``specdec.ragged``) run it. It imports none of them, so the dependencies point one way:
+``lm`` <- ``kv`` <- ``ragged`` <- ``models`` (the loader switches the attention to the ragged one).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+# FR-Spec: a draft directory may restrict its LM head to these token ids (a JSON list). The draft then
+# never proposes other ids (q = 0 there), which exact acceptance handles; the head costs a fraction.
+HEAD_TOKEN_IDS_FILE = "head_token_ids.json"
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be found, loaded, or paired with another."""
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for KV-cached forwards, with its tokenizer and vocabulary facts."""
+
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    vocab_size: int  # ids the tokenizer knows; ids at or beyond it are never emitted
+    eos_token_ids: tuple[int, ...]
+    _cache_kwarg: str = field(default="cache", repr=False)
+    ragged_attention: bool = False  # batched passes over several sessions' caches (specdec.ragged)
+    head_token_ids: torch.Tensor | None = field(default=None, repr=False)  # FR-Spec reduced head
+    _head_weight: torch.Tensor | None = field(default=None, repr=False)
+
+    def restrict_head(self, token_ids: list[int]) -> None:
+        """Compute logits only for ``token_ids``; every other id gets -inf (probability 0)."""
+        ids = torch.tensor(sorted(set(token_ids)), dtype=torch.long)
+        if len(ids) == 0 or int(ids[0]) < 0 or int(ids[-1]) >= self.logits_width:
+            raise ModelLoadError(f"{self.name}: {HEAD_TOKEN_IDS_FILE} holds ids outside 0..{self.logits_width - 1}")
+        weight = self.model.get_output_embeddings().weight
+        self.head_token_ids = ids.to(self.device)
+        self._head_weight = weight.detach()[self.head_token_ids].contiguous()
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """``tokenizer_fingerprint`` of this model's tokenizer (hashing 49k tokens takes ~100 ms: once)."""
+        return tokenizer_fingerprint(self.tokenizer)
+
+    @property
+    def logits_width(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+
+    def validate_prompt(self, prompt_ids: list[int], field: str = "prompt_token_ids") -> None:
+        """``ValueError`` naming ``field`` unless the ids fit this model's vocabulary and context."""
+        if not prompt_ids:
+            raise ValueError(f"{field} must not be empty")
+        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{field}: id {bad} is outside the vocabulary (size {self.vocab_size})")
+        if len(prompt_ids) >= self.max_positions:
+            raise ValueError(f"{field}: {len(prompt_ids)} tokens exceed the model context ({self.max_positions})")
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        try:
+            return DynamicCache(config=self.model.config)
+        except TypeError:  # older transformers
+            return DynamicCache()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: list[int], cache, num_logits: int) -> torch.Tensor:
+        """Feed ``input_ids`` after what ``cache`` holds; return fp32 logits [num_logits, V]."""
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        return self.forward_rows(ids, cache, num_logits)[0]
+
+    @torch.inference_mode()
+    def forward_rows(self, ids: torch.Tensor, cache, keep: int | torch.Tensor, position_ids: torch.Tensor | None = None,
+                     attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward over ``ids`` [B, N] after ``cache``; fp32 logits (CPU) [B, keep, V] of the last
+        ``keep`` columns, or [B, len(keep), V] of the columns a 1-D index tensor ``keep`` names.
+        Batched passes give per-row ``position_ids`` and a 4D mask (which makes transformers skip
+        building its own)."""
+        kwargs = {self._cache_kwarg: cache, "use_cache": True}
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
+        columns = slice(-keep, None) if isinstance(keep, int) else keep
+        if self.head_token_ids is not None:
+            hidden = self.model.base_model(input_ids=ids, **kwargs).last_hidden_state[:, columns]
+            reduced = hidden @ self._head_weight.T
+            logits = torch.full((*reduced.shape[:2], self.logits_width), -torch.inf, device=self.device)
+            logits[..., self.head_token_ids] = reduced.float()
+            return logits.cpu()
+        logits = self.model(input_ids=ids, logits_to_keep=keep, **kwargs).logits
+        return (logits[:, -keep:] if isinstance(keep, int) else logits).float().cpu()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 over the tokenizer's sorted (token, id) pairs: equal fingerprints, equal token ids."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for token, index in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]):
+        digest.update(f"{index}\t{token}\n".encode("utf-8", "surrogatepass"))
+    return digest.hexdigest()
