@@ -7,11 +7,7 @@ import asyncio
 import json
 import logging
 import os
-import signal
-import subprocess
 import sys
-import threading
-import time
 
 DEFAULT_TARGET = "embedded"
 
@@ -129,31 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
                               "(benchmarks of cross-machine round trips; keep 0 in production)")
     _add_serve_flags(gateway, 50051)
 
-    up = sub.add_parser("up", help="start drafter, verifier and gateway locally")
-    up.add_argument("--target", default=DEFAULT_TARGET)
-    up.add_argument("--draft-model", default=None,
-                    help="draft model (default: the shipped draft for the embedded target, else n-gram lookup)")
-    up.add_argument("--draft-method", choices=["auto", "model", "ngram"], default="auto")
-    up.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=False)
-    up.add_argument("--net-delay-ms", type=float, default=0.0, help="gateway: injected one-way delay per message")
-    up.add_argument("--host", default="127.0.0.1")
+    up = sub.add_parser("up", help="start drafter, verifier and gateway locally, supervised")
+    from specdec.up import add_arguments as _add_up_arguments
+
+    _add_up_arguments(up, DEFAULT_TARGET)
     _add_dtype_flag(up)
-    up.add_argument("--port", type=int, default=50051, help="gateway port; drafter +1, verifier +2")
-    up.add_argument("--drafter-nice", type=int, default=19,
-                    help="niceness added to the drafter process: on one machine the verifier is the shared "
-                         "bottleneck, so where the two compete for cores (the drafter's prefill beside the "
-                         "verifier's, shadow probes beside its passes) the verifier goes first; the drafter "
-                         "still has the cores whenever the verifier waits for it (0: equal)")
-    up.add_argument("--drafter-sched", choices=["idle", "normal"], default="normal",
-                    help="Linux scheduling class of the drafter: idle (SCHED_IDLE) never preempts the "
-                         "verifier when it wakes, but under full load a drafter in it waits seconds for a "
-                         "core; measured no better than niceness +19 on the whole (docs/benchmarks.md)")
-    up.add_argument("--drafter-device", default=None,
-                    help="the drafter's device (default: as the verifier's, cuda if present). With both on one "
-                         "GPU, 'cpu' keeps a small draft's launch-bound passes out of the verifier's way")
-    up.add_argument("--drafter-threads", type=int, default=1,
-                    help="CPU threads of the drafter: on one machine its spinning worker threads take cores "
-                         "from the verifier's forward passes (0: torch's default, one per core)")
 
     bench = sub.add_parser("bench", help="benchmark spec decoding vs baselines (gateway or --local)")
     from specdec.bench.cli import add_arguments as _add_bench_arguments
@@ -385,80 +361,10 @@ def _serve(args) -> int:
     return 0
 
 
-def _pump(prefix: str, stream) -> None:
-    for line in iter(stream.readline, ""):
-        sys.stdout.write(f"{prefix} {line}")
-        sys.stdout.flush()
-
-
-def _deprioritise(pid: int, nice: int, idle: bool) -> None:
-    """Lower a just-started child below the other services: ``nice`` added to its niceness and, with
-    ``idle``, the SCHED_IDLE class (Linux). Both are per thread; set right after the start, before
-    the child creates its threads, so they inherit them."""
-    if nice:
-        os.setpriority(os.PRIO_PROCESS, pid, os.getpriority(os.PRIO_PROCESS, 0) + nice)
-    if idle and hasattr(os, "SCHED_IDLE"):
-        try:
-            os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
-        except OSError as exc:  # not permitted here: niceness alone
-            print(f"[up      ] drafter stays in the normal scheduling class ({exc})", file=sys.stderr)
-
-
 def _up(args) -> int:
-    """Start the three services as child processes; Ctrl-C (or SIGTERM) stops them all."""
-    from specdec.models import default_draft_model, resolve_model_path
+    from specdec import up
 
-    resolve_model_path(args.target)  # convert the embedded model once, before three processes race
-    gateway_port, drafter_port, verifier_port = args.port, args.port + 1, args.port + 2
-    host = args.host
-    base = [sys.executable, "-m", "specdec.cli", "serve"]
-    drafter_cmd = base + ["drafter", "--host", host, "--port", str(drafter_port),
-                          "--threads", str(args.drafter_threads)]
-    if args.drafter_device:
-        drafter_cmd += ["--device", args.drafter_device]
-    draft_model = args.draft_model or default_draft_model(args.target)
-    method = args.draft_method if args.draft_method != "auto" else ("model" if draft_model else "ngram")
-    if method == "model":
-        if not draft_model:
-            print("error: --draft-method model needs --draft-model (no shipped draft for this target)", file=sys.stderr)
-            return 2
-        drafter_cmd += ["--method", "model", "--draft-model", draft_model]
-    else:
-        drafter_cmd += ["--method", "ngram", "--draft-model", args.target]
-    commands = {
-        "verifier": base + ["verifier", "--target", args.target, "--host", host, "--port", str(verifier_port)],
-        "drafter": drafter_cmd,
-        "gateway": base + ["gateway", "--target", args.target, "--host", host, "--port", str(gateway_port),
-                           "--verifier", f"{host}:{verifier_port}", "--drafter", f"{host}:{drafter_port}",
-                           "--draft-ahead" if args.draft_ahead else "--no-draft-ahead",
-                           "--net-delay-ms", str(args.net_delay_ms)],
-    }
-    procs = {}
-    for name, cmd in commands.items():
-        procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        if name == "drafter":
-            _deprioritise(procs[name].pid, args.drafter_nice, idle=args.drafter_sched == "idle")
-        threading.Thread(target=_pump, args=(f"[{name:8}]", procs[name].stdout), daemon=True).start()
-    print(f"[up      ] gateway will listen on {host}:{gateway_port}", flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    # Also when started in the background, where the shell leaves SIGINT ignored.
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    try:
-        while not stop.is_set() and all(p.poll() is None for p in procs.values()):
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        pass
-    for p in procs.values():
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs.values():
-        try:
-            p.wait(timeout=35)
-        except subprocess.TimeoutExpired:
-            p.kill()
-    failed = {n: p.returncode for n, p in procs.items() if p.returncode not in (0, -signal.SIGTERM)}
-    return 1 if failed else 0
+    return up.run(args)
 
 
 def _train_draft(args) -> int:

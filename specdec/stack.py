@@ -28,17 +28,22 @@ def free_port_block(size: int = 3) -> int:
     raise RuntimeError("no free ports")
 
 
-def wait_serving(address: str, proc: subprocess.Popen | None = None, timeout: float = 600) -> None:
-    """Poll grpc.health.v1 on ``address`` until SERVING (or ``proc`` exits, or ``timeout``)."""
+def wait_serving(address: str, proc: subprocess.Popen | None = None, timeout: float = 600, stop=None,
+                 credentials=None) -> None:
+    """Poll grpc.health.v1 on ``address`` until SERVING (or ``proc`` exits, ``stop`` is set, or
+    ``timeout``). ``credentials``: grpc channel credentials for a TLS service."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"the stack exited early (code {proc.returncode})")
+            if stop is not None and stop.is_set():
+                raise RuntimeError("stopped while waiting")
             try:
                 if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
                     return
@@ -49,7 +54,8 @@ def wait_serving(address: str, proc: subprocess.Popen | None = None, timeout: fl
 
 
 class LocalStack:
-    """``with LocalStack(["--net-delay-ms", "5"]) as address: ...``: ``specdec up`` on free ports."""
+    """``with LocalStack(["--net-delay-ms", "5"]) as address: ...``: ``specdec up`` on free ports, entered
+    once the gateway, the drafter and the verifier all answer SERVING."""
 
     def __init__(self, up_args: list[str] = (), quiet: bool = False) -> None:
         self.up_args = list(up_args)
@@ -64,7 +70,9 @@ class LocalStack:
         self.proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "up", "--port", str(port), *self.up_args],
                                      start_new_session=True, stdout=output, stderr=output)
         try:
-            wait_serving(self.address, self.proc)
+            # All three: the gateway serves before its drafter is ready (and would draft by n-gram).
+            for offset in range(3):
+                wait_serving(f"127.0.0.1:{port + offset}", self.proc)
         except BaseException:
             self.__exit__()
             raise

@@ -1,0 +1,166 @@
+"""``specdec up``: drafter, verifier and gateway on one machine, supervised (``specdec.supervisor``).
+
+The gateway listens on ``--port``, the drafter on +1, the verifier on +2 (metrics, when asked for,
+on ``--metrics-port`` +0/+1/+2 in the same order). Flags that the services take one by one
+(keys, TLS, limits, the service token) are passed to the child that uses them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+
+from specdec.supervisor import ChildSpec, Supervisor
+
+LOG_PREFIX = "[up      ]"
+
+
+def add_arguments(up: argparse.ArgumentParser, default_target: str) -> None:
+    up.add_argument("--target", default=default_target)
+    up.add_argument("--draft-model", default=None,
+                    help="draft model (default: the shipped draft for the embedded target, else n-gram lookup)")
+    up.add_argument("--draft-method", choices=["auto", "model", "ngram"], default="auto")
+    up.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=False)
+    up.add_argument("--net-delay-ms", type=float, default=0.0, help="gateway: injected one-way delay per message")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=50051, help="gateway port; drafter +1, verifier +2")
+    up.add_argument("--metrics-port", type=int, default=None,
+                    help="Prometheus ports: gateway on this one, drafter +1, verifier +2 (off when unset)")
+    up.add_argument("--drafter-nice", type=int, default=19,
+                    help="niceness added to the drafter process: on one machine the verifier is the shared "
+                         "bottleneck, so where the two compete for cores (the drafter's prefill beside the "
+                         "verifier's, shadow probes beside its passes) the verifier goes first; the drafter "
+                         "still has the cores whenever the verifier waits for it (0: equal)")
+    up.add_argument("--drafter-sched", choices=["idle", "normal"], default="normal",
+                    help="Linux scheduling class of the drafter: idle (SCHED_IDLE) never preempts the "
+                         "verifier when it wakes, but under full load a drafter in it waits seconds for a "
+                         "core; measured no better than niceness +19 on the whole (docs/benchmarks.md)")
+    up.add_argument("--drafter-device", default=None,
+                    help="the drafter's device (default: as the verifier's, cuda if present). With both on one "
+                         "GPU, 'cpu' keeps a small draft's launch-bound passes out of the verifier's way")
+    up.add_argument("--drafter-threads", type=int, default=1,
+                    help="CPU threads of the drafter: on one machine its spinning worker threads take cores "
+                         "from the verifier's forward passes (0: torch's default, one per core)")
+    up.add_argument("--max-sessions", type=int, default=None, help="each service's session limit")
+    up.add_argument("--max-new-tokens-cap", type=int, default=None, help="gateway: largest max_new_tokens")
+    up.add_argument("--max-prompt-tokens", type=int, default=None, help="gateway: longest prompt")
+    up.add_argument("--api-keys-file", default=None, help="gateway: client API keys, one per line")
+    up.add_argument("--tls-cert", default=None, help="PEM certificate every service serves (and presents)")
+    up.add_argument("--tls-key", default=None)
+    up.add_argument("--tls-ca", default=None, help="CA bundle that verifies peers")
+    up.add_argument("--tls-client-auth", action="store_true", help="require client certificates (mTLS)")
+
+
+def _deprioritise(nice: int, idle: bool):
+    """Lower a just-started child below the other services: ``nice`` added to its niceness and, with
+    ``idle``, the SCHED_IDLE class (Linux). Both are per thread; set right after the start, before
+    the child creates its threads, so they inherit them."""
+
+    def apply(pid: int) -> None:
+        if nice:
+            os.setpriority(os.PRIO_PROCESS, pid, os.getpriority(os.PRIO_PROCESS, 0) + nice)
+        if idle and hasattr(os, "SCHED_IDLE"):
+            try:
+                os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+            except OSError as exc:  # not permitted here: niceness alone
+                print(f"{LOG_PREFIX} drafter stays in the normal scheduling class ({exc})", file=sys.stderr)
+
+    return apply
+
+
+def _flags(args, names: list[str]) -> list[str]:
+    """``--name value`` for each of ``names`` set on ``args`` (booleans: ``--name`` when true)."""
+    out: list[str] = []
+    for name in names:
+        value = getattr(args, name.replace("-", "_"), None)
+        if value is None or value is False:
+            continue
+        out += [f"--{name}"] if value is True else [f"--{name}", str(value)]
+    return out
+
+
+def children(args) -> list[ChildSpec]:
+    """The three services' commands (raises SystemExit for a draft method that cannot run)."""
+    from specdec.models import default_draft_model
+
+    host, gateway_port = args.host, args.port
+    drafter_port, verifier_port = gateway_port + 1, gateway_port + 2
+    base = [sys.executable, "-m", "specdec.cli", "serve"]
+    tls = _flags(args, ["tls-cert", "tls-key", "tls-ca", "tls-client-auth"])
+    common = tls + _flags(args, ["max-sessions"])
+
+    def metrics(offset: int) -> list[str]:
+        return [] if args.metrics_port is None else ["--metrics-port", str(args.metrics_port + offset)]
+
+    draft_model = args.draft_model or default_draft_model(args.target)
+    method = args.draft_method if args.draft_method != "auto" else ("model" if draft_model else "ngram")
+    if method == "model" and not draft_model:
+        raise SystemExit("error: --draft-method model needs --draft-model (no shipped draft for this target)")
+    drafter_cmd = base + ["drafter", "--host", host, "--port", str(drafter_port), "--threads",
+                          str(args.drafter_threads), "--method", method,
+                          "--draft-model", draft_model if method == "model" else args.target]
+    if args.drafter_device:
+        drafter_cmd += ["--device", args.drafter_device]
+    # A TLS stack's gateway names its peers by host name so that certificates verify; loopback here.
+    peer_host = "localhost" if args.tls_cert else host
+    return [
+        ChildSpec("verifier", base + ["verifier", "--target", args.target, "--host", host, "--port",
+                                      str(verifier_port), *common, *metrics(2)],
+                  f"{host}:{verifier_port}", drain_order=1),
+        ChildSpec("drafter", drafter_cmd + common + metrics(1), f"{host}:{drafter_port}", drain_order=1,
+                  after_start=_deprioritise(args.drafter_nice, idle=args.drafter_sched == "idle")),
+        ChildSpec("gateway", base + ["gateway", "--target", args.target, "--host", host, "--port", str(gateway_port),
+                                     "--verifier", f"{peer_host}:{verifier_port}",
+                                     "--drafter", f"{peer_host}:{drafter_port}",
+                                     "--draft-ahead" if args.draft_ahead else "--no-draft-ahead",
+                                     "--net-delay-ms", str(args.net_delay_ms), *common, *metrics(0),
+                                     *_flags(args, ["max-new-tokens-cap", "max-prompt-tokens", "api-keys-file"])],
+                  f"{host}:{gateway_port}", drain_order=0),
+    ]
+
+
+def _announce_ready(supervisor: Supervisor, specs: list[ChildSpec], args) -> None:
+    """Log once every service answers SERVING on grpc.health.v1 (what LocalStack waits for too)."""
+    from specdec.stack import wait_serving
+
+    credentials = None
+    if args.tls_cert:
+        from specdec.rpc.security import TLSConfig
+
+        credentials = TLSConfig.from_sources(args.tls_cert, args.tls_key, args.tls_ca).channel_credentials()
+    try:
+        for spec in specs:
+            address = spec.address if credentials is None else "localhost:" + spec.address.rpartition(":")[2]
+            wait_serving(address, timeout=900, stop=supervisor.stop, credentials=credentials)
+    except RuntimeError:
+        return
+    if not supervisor.stop.is_set():
+        supervisor.log("all three services ready")
+
+
+def run(args) -> int:
+    """Start the three services supervised; Ctrl-C (or SIGTERM) drains them and returns."""
+    from specdec.models import resolve_model_path
+
+    resolve_model_path(args.target)  # convert the embedded model once, before three processes race
+    specs = children(args)
+    supervisor = Supervisor(specs, log=lambda line: print(f"{LOG_PREFIX} {line}", file=sys.stderr, flush=True))
+    signal.signal(signal.SIGTERM, lambda *_: supervisor.stop.set())
+    # Also when started in the background, where the shell leaves SIGINT ignored.
+    signal.signal(signal.SIGINT, lambda *_: supervisor.stop.set())
+    supervisor.start_all()
+    print(f"{LOG_PREFIX} gateway will listen on {args.host}:{args.port}", flush=True)
+    threading.Thread(target=_announce_ready, args=(supervisor, specs, args), daemon=True).start()
+    try:
+        supervisor.run()
+    except KeyboardInterrupt:
+        pass
+    codes = supervisor.shutdown()
+    restarts = supervisor.restarts()
+    if any(restarts.values()):
+        supervisor.log("restarts: " + ", ".join(f"{name} {n}" for name, n in restarts.items()))
+    failed = {name: code for name, code in codes.items() if code not in (0, -signal.SIGTERM, None)}
+    return 1 if failed else 0
