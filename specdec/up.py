@@ -54,7 +54,7 @@ def add_arguments(up: argparse.ArgumentParser, default_target: str) -> None:
     up.add_argument("--tls-client-auth", action="store_true", help="require client certificates (mTLS)")
 
 
-def _deprioritise(nice: int, idle: bool):
+def deprioritise(nice: int, idle: bool):
     """Lower a just-started child below the other services: ``nice`` added to its niceness and, with
     ``idle``, the SCHED_IDLE class (Linux). Both are per thread; set right after the start, before
     the child creates its threads, so they inherit them."""
@@ -111,7 +111,7 @@ def children(args) -> list[ChildSpec]:
                                       str(verifier_port), *common, *metrics(2)],
                   f"{host}:{verifier_port}", drain_order=1),
         ChildSpec("drafter", drafter_cmd + common + metrics(1), f"{host}:{drafter_port}", drain_order=1,
-                  after_start=_deprioritise(args.drafter_nice, idle=args.drafter_sched == "idle")),
+                  after_start=deprioritise(args.drafter_nice, idle=args.drafter_sched == "idle")),
         ChildSpec("gateway", base + ["gateway", "--target", args.target, "--host", host, "--port", str(gateway_port),
                                      "--verifier", f"{peer_host}:{verifier_port}",
                                      "--drafter", f"{peer_host}:{drafter_port}",

@@ -374,7 +374,7 @@ def test_services_beside_a_gpu_and_the_gateway_default_to_one_thread():
 def test_up_puts_the_drafter_below_the_verifier_for_all_its_threads():
     """`specdec up` lowers the drafter right after starting it: niceness and SCHED_IDLE, both per
     thread on Linux, so the threads the child starts afterwards (torch, gRPC) must inherit them."""
-    from specdec.cli import _deprioritise
+    from specdec.up import deprioritise
 
     child = subprocess.Popen(
         [sys.executable, "-c",
@@ -386,7 +386,7 @@ def test_up_puts_the_drafter_below_the_verifier_for_all_its_threads():
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         base = os.getpriority(os.PRIO_PROCESS, 0)
-        _deprioritise(child.pid, 7, idle=True)
+        deprioritise(7, idle=True)(child.pid)
         out, _ = child.communicate("go\n", timeout=30)
     finally:
         child.kill()
