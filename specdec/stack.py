@@ -36,7 +36,11 @@ def wait_serving(address: str, proc: subprocess.Popen | None = None, timeout: fl
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout
-    channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    # Reconnect quickly: a service that is restarting refuses connections for a while, and grpc's
+    # default backoff (up to 120 s) would see it come back long after it did.
+    options = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 500)]
+    channel = grpc.secure_channel(address, credentials, options) if credentials else \
+        grpc.insecure_channel(address, options)
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
@@ -57,16 +61,17 @@ class LocalStack:
     """``with LocalStack(["--net-delay-ms", "5"]) as address: ...``: ``specdec up`` on free ports, entered
     once the gateway, the drafter and the verifier all answer SERVING."""
 
-    def __init__(self, up_args: list[str] = (), quiet: bool = False) -> None:
+    def __init__(self, up_args: list[str] = (), quiet: bool = False, output=None) -> None:
         self.up_args = list(up_args)
         self.quiet = quiet
+        self.output = output  # a file for the stack's log (default: this process's stdout, or none if quiet)
         self.proc: subprocess.Popen | None = None
         self.address = ""
 
     def __enter__(self) -> str:
         port = free_port_block()
         self.address = f"127.0.0.1:{port}"
-        output = subprocess.DEVNULL if self.quiet else None
+        output = self.output if self.output is not None else (subprocess.DEVNULL if self.quiet else None)
         self.proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "up", "--port", str(port), *self.up_args],
                                      start_new_session=True, stdout=output, stderr=output)
         try:

@@ -36,7 +36,7 @@ class ChildSpec:
     command: list[str]
     address: str
     drain_order: int  # lower drains first
-    after_start: Callable[[int], None] | None = None  # e.g. lower the drafter's priority, by pid
+    after_ready: Callable[[int], None] | None = None  # once it serves (health SERVING), by pid
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -55,13 +55,14 @@ class Supervisor:
 
     def __init__(self, children: list[ChildSpec], *, log: Callable[[str], None] | None = None,
                  max_backoff_s: float = MAX_BACKOFF_S, healthy_after_s: float = HEALTHY_AFTER_S,
-                 grace_s: float = 35.0) -> None:
+                 grace_s: float = 35.0, credentials=None) -> None:
         self.children = {spec.name: _Child(spec) for spec in children}
         self.log = log or (lambda line: print(f"[up      ] {line}", file=sys.stderr, flush=True))
         self.max_backoff_s = max_backoff_s
         self.healthy_after_s = healthy_after_s
         self.grace_s = grace_s
         self.stop = threading.Event()
+        self.credentials = credentials  # grpc channel credentials for health checks of TLS services
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -76,9 +77,18 @@ class Supervisor:
                                       bufsize=1, env=env)
         child.started_at = time.monotonic()
         child.restart_at = None
-        if spec.after_start is not None:
-            spec.after_start(child.proc.pid)
+        if spec.after_ready is not None and spec.address:
+            threading.Thread(target=self._when_ready, args=(spec, child.proc), daemon=True).start()
         threading.Thread(target=_pump, args=(f"[{spec.name:8}]", child.proc.stdout), daemon=True).start()
+
+    def _when_ready(self, spec: ChildSpec, proc: subprocess.Popen) -> None:
+        from specdec.stack import wait_serving
+
+        try:
+            wait_serving(spec.address, proc, timeout=900, stop=self.stop, credentials=self.credentials)
+        except RuntimeError:
+            return  # exited or stopped first
+        spec.after_ready(proc.pid)
 
     def poll_once(self) -> None:
         """Notice children that exited and restart those whose backoff is over."""

@@ -372,24 +372,29 @@ def test_services_beside_a_gpu_and_the_gateway_default_to_one_thread():
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
 def test_up_puts_the_drafter_below_the_verifier_for_all_its_threads():
-    """`specdec up` lowers the drafter right after starting it: niceness and SCHED_IDLE, both per
-    thread on Linux, so the threads the child starts afterwards (torch, gRPC) must inherit them."""
+    """`specdec up` lowers the drafter once it serves: niceness and SCHED_IDLE, both per thread on
+    Linux, so every thread it already runs is lowered and the threads it starts later inherit it."""
     from specdec.up import deprioritise
 
     child = subprocess.Popen(
         [sys.executable, "-c",
          "import os, sys, threading, time\n"
-         "sys.stdin.readline()\n"  # threads start only once the parent has lowered the process
+         "go = threading.Event()\n"
          "def report():\n"
+         "    go.wait()\n"
          "    print(os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0), flush=True)\n"
-         "t = threading.Thread(target=report); t.start(); t.join()\n"],
+         "before = threading.Thread(target=report); before.start()\n"  # running before the parent lowers it
+         "print('started', flush=True)\n"
+         "sys.stdin.readline()\n"
+         "go.set(); before.join()\n"
+         "after = threading.Thread(target=report); after.start(); after.join()\n"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         base = os.getpriority(os.PRIO_PROCESS, 0)
+        assert child.stdout.readline().strip() == "started"
         deprioritise(7, idle=True)(child.pid)
         out, _ = child.communicate("go\n", timeout=30)
     finally:
         child.kill()
-    policy, nice = (int(v) for v in out.split())
-    assert policy == os.SCHED_IDLE
-    assert nice == min(19, base + 7)
+    reports = [tuple(int(v) for v in line.split()) for line in out.splitlines()]
+    assert reports == [(os.SCHED_IDLE, min(19, base + 7))] * 2
