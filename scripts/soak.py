@@ -29,9 +29,6 @@ from specdec.bench.prompts import load_prompts
 from specdec.client import GatewayClient
 from specdec.stack import LocalStack, wait_serving
 
-ROLES = ("gateway", "drafter", "verifier")
-
-
 @dataclass
 class Record:
     worker: int
@@ -52,22 +49,6 @@ class Kill:
     at_s: float
     pid: int
     serving_again_s: float | None = None  # seconds from the kill until SERVING again
-
-
-def children_of(pid: int) -> dict[str, int]:
-    """The up process's live children by role (from /proc: `specdec.cli serve <role>`)."""
-    found: dict[str, int] = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            try:
-                argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"serve" in argv:
-                role = argv[argv.index(b"serve") + 1].decode()
-                if role in ROLES:
-                    found[role] = int(child)
-    return found
 
 
 def main() -> int:
@@ -96,7 +77,6 @@ def main() -> int:
     log_file = open(out / "up.log", "w")
     stack = LocalStack(list(args.up_args), output=log_file)
     with stack as address:
-        up_pid = stack.proc.pid
         port = int(address.rpartition(":")[2])
         role_address = {"gateway": address, "drafter": f"127.0.0.1:{port + 1}", "verifier": f"127.0.0.1:{port + 2}"}
         t0 = time.monotonic()
@@ -129,7 +109,7 @@ def main() -> int:
             for at, role in sorted(plan):
                 if stop.wait(max(0.0, at - (time.monotonic() - t0))):
                     return
-                pid = children_of(up_pid).get(role)
+                pid = stack.service_pids().get(role)
                 if pid is None:
                     continue
                 os.kill(pid, signal.SIGKILL)

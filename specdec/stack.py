@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def free_port_block(size: int = 3) -> int:
@@ -94,3 +95,18 @@ class LocalStack:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc = None
+
+    def service_pids(self) -> dict[str, int]:
+        """The live service processes of this stack by role (``specdec up``'s children, from /proc)."""
+        found: dict[str, int] = {}
+        if self.proc is None:
+            return found
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                try:
+                    argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+                except OSError:  # exited meanwhile
+                    continue
+                if b"serve" in argv[:-1]:
+                    found[argv[argv.index(b"serve") + 1].decode()] = int(child)
+        return found
