@@ -12,12 +12,14 @@ from specdec.models import EMBEDDED_DRAFT, LoadedModel, load_model, load_tokeniz
 from specdec.rpc import convert
 from specdec.rpc.scheduler import BatchingOptions
 from specdec.rpc.server import NotReady, idle_guard, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
-from specdec.rpc.sessions import ModelWorkerService
+from specdec.rpc.sessions import ModelWorkerService, validate_session_id
 from specdec.sampling import DraftProposal, SamplingParams
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, types_pb2
 
 log = logging.getLogger("specdec.drafter")
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+# The longest session an n-gram drafter holds (it has no model context; its lookup scans the session).
+NGRAM_MAX_CONTEXT = 32768
 
 
 class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
@@ -52,6 +54,11 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
         session.propose(3)
         session.close()
 
+    @property
+    def max_context(self) -> int:
+        """The most tokens a session may hold: the draft model's positions (n-gram: NGRAM_MAX_CONTEXT)."""
+        return self.lm.max_positions if self.lm is not None else NGRAM_MAX_CONTEXT
+
     def _require_drafter(self) -> Drafter:
         if self.drafter is None:
             raise NotReady("drafter is still loading")
@@ -73,18 +80,24 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
                     if session is not None:
                         raise ValueError("start: a stream carries exactly one session")
                     start = request.start
+                    validate_session_id(start.session_id)
                     prompt = [int(t) for t in start.prompt_token_ids]
                     self._validate_ids(prompt, "prompt_token_ids")
+                    if len(prompt) >= self.max_context:
+                        raise ValueError(f"prompt_token_ids: {len(prompt)} tokens exceed the draft context "
+                                         f"({self.max_context})")
                     params = convert.sampling_from_pb(start.sampling, draft_top_k=start.draft_top_k)
                     session = drafter.start(prompt, params)
-                    key = self.sessions.open(start.session_id, session, cancelled)
+                    key = self.sessions.open(start.session_id, session, cancelled, peer=context.peer())
                     await self._run(session.prefill)
                     if trace is not None:
                         trace.set(session_id=key, prompt_tokens=len(prompt), **{"draft.method": drafter.name})
                         if self.lm is not None:
                             trace.set(**{"draft.model": self.lm.name})
                         trace.step("prefill", received, prompt_tokens=len(prompt))
-                    yield drafter_pb2.DraftResponse(started=drafter_pb2.DraftStarted(session_id=key))
+                    # The id as given: the registry key (which may carry a suffix when the id is already
+                    # taken, perhaps by another client) would tell a caller that the id is in use.
+                    yield drafter_pb2.DraftResponse(started=drafter_pb2.DraftStarted(session_id=start.session_id))
                 elif kind == "propose":
                     if session is None:
                         raise ValueError("propose: send start first")
@@ -103,9 +116,14 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
                         raise ValueError("ahead_used: only with num_draft_tokens = 0 and ahead_tokens > 0")
                     if used > len(ahead_block):
                         raise ValueError(f"ahead_used: {used} exceeds the last ahead block ({len(ahead_block)} tokens)")
+                    held = len(session.tokens) + len(propose.committed_token_ids)
+                    if held > self.max_context:  # checked before any work: the session cannot hold them
+                        raise ValueError(f"committed_token_ids: the session would hold {held} tokens, past the "
+                                         f"draft context ({self.max_context})")
                     committed = [int(t) for t in propose.committed_token_ids]
                     if committed:
                         self._validate_ids(committed, "committed_token_ids")
+                    k = min(k, self.max_context - held)  # drafts past the context: fewer (legal: "up to k")
                     previous_block = ahead_block
                     proposal, batch = await self._batched((session, committed, k), len(committed) + k)
                     self.metrics.tokens.inc(len(proposal))
@@ -123,8 +141,8 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
                         # (possibly empty): the gateway waits for exactly one DraftAhead.
                         started = time.perf_counter()
                         in_flight = proposal.draft_tokens if k else previous_block[:used]
-                        if self.lm is not None:  # the block must fit the draft model's context
-                            ahead_n = min(ahead_n, self.lm.max_positions - len(session.tokens) - len(in_flight) - 1)
+                        # the block must fit the draft context
+                        ahead_n = min(ahead_n, self.max_context - len(session.tokens) - len(in_flight) - 1)
                         block = None
                         if in_flight and ahead_n > 0:
                             block = await self._run(session.propose_ahead, in_flight, ahead_n)
@@ -176,7 +194,7 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
 
     @map_unary_errors
     async def CancelDraft(self, request, context):
-        self.sessions.cancel(request.session_id)
+        self.sessions.cancel(request.session_id, context.peer())  # only the opener's own sessions
         return drafter_pb2.CancelDraftResponse()
 
     @map_unary_errors
@@ -192,9 +210,11 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
 
 async def serve(method: str, draft_model: str | None, options: ServeOptions, max_sessions: int = 64,
                 device: str | None = None,
-                idle_timeout_s: float | None = 300.0, batching: BatchingOptions | None = None) -> None:
+                idle_timeout_s: float | None = 300.0, batching: BatchingOptions | None = None,
+                max_sessions_per_peer: int | None = None) -> None:
     runtime = ServiceRuntime(SERVICE_NAME, options)
-    service = DrafterService(runtime, max_sessions=max_sessions, idle_timeout_s=idle_timeout_s, batching=batching)
+    service = DrafterService(runtime, max_sessions=max_sessions, idle_timeout_s=idle_timeout_s, batching=batching,
+                             max_sessions_per_peer=max_sessions_per_peer)
     drafter_pb2_grpc.add_DrafterServicer_to_server(service, runtime.server)
     port = await runtime.start()
     runtime.install_signal_handlers()

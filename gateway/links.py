@@ -1,4 +1,11 @@
-"""Engine links over gRPC streams: the gateway's side of the drafter and verifier sessions."""
+"""Engine links over gRPC streams: the gateway's side of the drafter and verifier sessions.
+
+Every way a downstream stream can end under a request (a status error, an end without one, a write
+to a stream that already finished, a reset connection, a message that does not parse, the call
+cancelled beneath us) is a *lost stream*: a drafter link then proposes nothing (the request goes on
+at k = 0, still exact), a verifier link migrates to another replica or raises ``StreamLost``
+(``UNAVAILABLE`` for the client). Only a cancel of the request's own task passes through as one.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import logging
 from collections.abc import Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from specdec.rpc import convert
 from specdec.sampling import DraftProposal, SamplingParams
@@ -16,15 +24,41 @@ from specdec.verification import Verdict
 log = logging.getLogger("specdec.gateway")
 
 CLOSE_WAIT_S = 1.0
-# What a drafter link survives by proposing nothing from then on.
-_DRAFTER_FAILURES = (grpc.aio.AioRpcError, ConnectionError, ValueError, grpc.aio.UsageError)
+
+
+class StreamLost(ConnectionError):
+    """A downstream stream ended mid-request (the client sees ``UNAVAILABLE``)."""
+
+
+# How a peer's stream fails under us, as opposed to a bug here: grpc statuses and usage errors,
+# ``InvalidStateError`` from a write to a finished call, OS-level connection errors (resets),
+# and messages that do not parse or make no sense (ValueError, DecodeError).
+STREAM_FAILURES = (grpc.RpcError, grpc.aio.BaseError, asyncio.InvalidStateError, OSError, EOFError,
+                   ValueError, DecodeError)
+
+
+def own_cancel() -> bool:
+    """True when the running task itself is being cancelled (a client cancel, a deadline, the
+    loop closing), as opposed to a ``CancelledError`` that a cancelled grpc call raised beneath it.
+    (Python 3.10 cannot tell the two apart: every ``CancelledError`` counts as our own there.)"""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)  # Python >= 3.11
+    return task is None or cancelling is None or cancelling() > 0
+
+
+def describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 async def _read(call, what: str, delay_s: float = 0.0):
     response = await call.read()
     if response is grpc.aio.EOF:
         # The server ended the stream without a status error: treat as unavailable.
-        raise ConnectionError(f"{what} stream ended early")
+        raise StreamLost(f"{what} stream ended early")
+    if response is None:  # grpc logs the parse failure and hands us None
+        raise StreamLost(f"{what} sent a message that does not parse")
     if delay_s:
         await asyncio.sleep(delay_s)  # injected one-way network delay (--net-delay-ms)
     return response
@@ -38,7 +72,8 @@ async def _write(call, message, delay_s: float = 0.0) -> None:
 
 async def _close(call, reader: asyncio.Task | None = None) -> None:
     """Half-close so the service ends the session normally (finishing what it still owes); cancel if
-    it does not end promptly. ``reader``: the task already reading this stream, which sees the end."""
+    it does not end promptly. ``reader``: the task already reading this stream, which sees the end.
+    Never raises for the stream's sake: whatever state the stream is in, it ends here."""
     try:
         if call.done():
             return
@@ -49,7 +84,10 @@ async def _close(call, reader: asyncio.Task | None = None) -> None:
             await asyncio.wait_for(call.wait_for_connection(), CLOSE_WAIT_S)
             while await asyncio.wait_for(call.read(), CLOSE_WAIT_S) is not grpc.aio.EOF:
                 pass
-    except (grpc.aio.AioRpcError, asyncio.TimeoutError, grpc.aio.UsageError, asyncio.InvalidStateError):
+    except asyncio.CancelledError:
+        if own_cancel():
+            raise
+    except (asyncio.TimeoutError, *STREAM_FAILURES):
         pass
     finally:
         if reader is not None and not reader.done():
@@ -72,6 +110,13 @@ class RemoteVerifier:
         self.prefill_service_s = 0.0  # time inside the verifier, from its service_time_us (tracing)
         self.service_s = 0.0
 
+    async def _verdict(self) -> tuple[Verdict, float]:
+        response = await _read(self.call, "verifier", self.net_delay_s)
+        try:
+            return convert.verdict_from_pb(response), response.service_time_us * 1e-6
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise StreamLost(f"verifier sent a malformed verdict ({describe(exc)})") from exc
+
     async def prefill(self) -> Verdict:
         start = verifier_pb2.VerifyStart(
             session_id=self.session_id,
@@ -79,17 +124,16 @@ class RemoteVerifier:
             sampling=convert.sampling_to_pb(self.params),
         )
         await _write(self.call, verifier_pb2.VerifyRequest(start=start), self.net_delay_s)
-        response = await _read(self.call, "verifier", self.net_delay_s)
-        self.prefill_service_s = response.service_time_us * 1e-6
-        return convert.verdict_from_pb(response)
+        verdict, self.prefill_service_s = await self._verdict()
+        return verdict
 
     async def verify(self, proposal: DraftProposal) -> Verdict:
         self.round += 1
         block = verifier_pb2.VerifyBlock(round=self.round, **convert.proposal_fields(proposal))
         await _write(self.call, verifier_pb2.VerifyRequest(block=block), self.net_delay_s)
-        response = await _read(self.call, "verifier", self.net_delay_s)
-        self.service_s += response.service_time_us * 1e-6
-        return convert.verdict_from_pb(response)
+        verdict, service_s = await self._verdict()
+        self.service_s += service_s
+        return verdict
 
     async def close(self) -> None:
         await _close(self.call)
@@ -98,8 +142,10 @@ class RemoteVerifier:
 class RemoteDrafter:
     """``DrafterLink`` (and ``AheadDrafterLink``) over one ``Drafter.Draft`` stream.
 
-    A drafter failure never fails the request: the link reports itself broken and proposes
-    nothing from then on, so the loop continues as plain decoding (k = 0) and stays exact.
+    A drafter failure never fails the request: whatever ends the stream (see the module's
+    docstring; even an unexpected error here, logged with its traceback), the link reports itself
+    broken and proposes nothing from then on, so the loop continues as plain decoding (k = 0) and
+    stays exact. Only a cancel of the request itself propagates.
 
     One reader task takes every message off the stream as it arrives and releases it after the
     injected one-way delay, so messages sent back to back (a proposal, then its DraftAhead block)
@@ -110,7 +156,7 @@ class RemoteDrafter:
 
     def __init__(self, stub, session_id: str, prompt_ids: list[int], params: SamplingParams,
                  time_remaining: Callable[[], float | None], metadata=None, draft_top_k: int = 0,
-                 net_delay_s: float = 0.0) -> None:
+                 net_delay_s: float = 0.0, request_id: str = "") -> None:
         # The stream opens in begin(): a session that never drafts costs the drafter nothing, and
         # one opened late gets the deadline's remaining time then.
         self._stub = stub
@@ -119,13 +165,14 @@ class RemoteDrafter:
         self.call = None
         self.net_delay_s = net_delay_s
         self.session_id = session_id
+        self.request_id = request_id or session_id  # for the logs: the client's id
         self.prompt_ids = prompt_ids
         self.params = params
         self.draft_top_k = draft_top_k
         self.round = 0
         self.service_s = 0.0  # time inside the drafter, from its service_time_us (tracing)
         self.broken: BaseException | None = None
-        self._start_task: asyncio.Task | None = None
+        self._start_task: asyncio.Future | None = None
         self._reader: asyncio.Task | None = None
         self._inbox: asyncio.Queue = asyncio.Queue()  # (release time, message or exception)
         self._ahead_owed = False  # a DraftAhead message is on its way
@@ -143,27 +190,37 @@ class RemoteDrafter:
 
     def begin(self) -> None:
         """Open the session now so the drafter's prefill overlaps the verifier's."""
-        if self._start_task is None:
+        if self._start_task is not None:
+            return
+        try:
             self.call = self._stub.Draft(timeout=self._time_remaining(), metadata=self._metadata)
-            self._reader = asyncio.ensure_future(self._read_loop())
-            self._start_task = asyncio.ensure_future(self._start())
+        except Exception as exc:  # noqa: BLE001 - e.g. its channel closed under us: draft nothing
+            self._start_task = asyncio.get_running_loop().create_future()
+            self._start_task.set_result(None)
+            self._fail(exc)
+            return
+        self._reader = asyncio.ensure_future(self._read_loop())
+        self._start_task = asyncio.ensure_future(self._start())
 
     async def _read_loop(self) -> None:
+        """Every message (or the one failure that ends the stream) goes to the inbox: whoever waits
+        there always gets an answer."""
         loop = asyncio.get_running_loop()
         try:
             while True:
-                message = await self.call.read()
-                if message is grpc.aio.EOF:
-                    # The server ended the stream without a status error: treat as unavailable.
-                    self._inbox.put_nowait((0.0, ConnectionError("drafter stream ended early")))
-                    return
+                message = await _read(self.call, "drafter")
                 self._inbox.put_nowait((loop.time() + self.net_delay_s, message))
-        except _DRAFTER_FAILURES as exc:
+        except asyncio.CancelledError:
+            self._inbox.put_nowait((0.0, StreamLost("drafter stream cancelled")))
+            if own_cancel():
+                raise
+        except Exception as exc:  # noqa: BLE001 - handed to the waiter, which decides
             self._inbox.put_nowait((0.0, exc))
 
     async def _next(self):
         release, item = await self._inbox.get()
         if isinstance(item, BaseException):
+            self._inbox.put_nowait((release, item))  # the stream stays ended for every later reader
             raise item
         wait = release - asyncio.get_running_loop().time()
         if wait > 0:
@@ -181,9 +238,25 @@ class RemoteDrafter:
         await self._next()
 
     def _fail(self, exc: BaseException) -> None:
-        log.warning("drafter failed for session %s (%s); continuing without drafts", self.session_id, exc)
-        self.broken = exc
-        self.call.cancel()
+        if self.broken is None:
+            if isinstance(exc, STREAM_FAILURES):
+                log.warning("drafter failed for request %s (drafter session %s): %s; continuing without drafts",
+                            self.request_id, self.session_id, describe(exc))
+            else:  # not the stream's doing: a bug here, shown as one (the request still completes)
+                log.error("drafter link error for request %s (drafter session %s); continuing without drafts",
+                          self.request_id, self.session_id, exc_info=exc)
+            self.broken = exc
+        if self.call is not None:
+            self.call.cancel()
+
+    def _lost(self, exc: BaseException) -> None:
+        """``exc`` ended a drafter operation: fail the link, unless the request itself is being
+        cancelled (then ``exc`` propagates)."""
+        if isinstance(exc, asyncio.CancelledError):
+            if own_cancel():
+                raise exc
+            exc = StreamLost("drafter stream cancelled")
+        self._fail(exc)
 
     async def propose(self, committed: list[int], num_draft_tokens: int, ahead_tokens: int = 0) -> DraftProposal:
         if self.broken is not None:
@@ -193,8 +266,8 @@ class RemoteDrafter:
             await self._start_task
             if self._ahead_owed:  # a block nobody used (rounds with k = 0): it comes first on the stream
                 await self.take_ahead()
-                if self.broken is not None:
-                    return DraftProposal()
+            if self.broken is not None:
+                return DraftProposal()
             self.round += 1
             propose = drafter_pb2.DraftPropose(
                 round=self.round, committed_token_ids=committed, num_draft_tokens=num_draft_tokens,
@@ -203,12 +276,12 @@ class RemoteDrafter:
             await _write(self.call, drafter_pb2.DraftRequest(propose=propose), self.net_delay_s)
             response = await self._next()
             if response.WhichOneof("kind") != "proposal":
-                raise ValueError("drafter: expected a DraftProposal message")
+                raise StreamLost("drafter: expected a DraftProposal message")
             self.service_s += response.proposal.service_time_us * 1e-6
             self._ahead_owed = ahead_tokens > 0
             return convert.proposal_from_pb(response.proposal)
-        except _DRAFTER_FAILURES as exc:
-            self._fail(exc)
+        except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - only the request's own cancel escapes
+            self._lost(exc)
             return DraftProposal()
 
     async def take_ahead(self) -> tuple[list[int], DraftProposal] | None:
@@ -226,18 +299,19 @@ class RemoteDrafter:
                 if kind == "proposal":  # the empty answer to a continue_ahead request
                     continue
                 if kind != "ahead":
-                    raise ValueError("drafter: expected a DraftAhead message")
+                    raise StreamLost("drafter: expected a DraftAhead message")
                 self.service_s += response.ahead.proposal.service_time_us * 1e-6
                 assumed = [int(t) for t in response.ahead.assumed_token_ids]
                 return (assumed, convert.proposal_from_pb(response.ahead.proposal)) if assumed else None
-        except _DRAFTER_FAILURES as exc:
-            self._fail(exc)
+        except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - see _lost
+            self._lost(exc)
             return None
 
     async def continue_ahead(self, committed: list[int], used: int, ahead_tokens: int) -> None:
         """``used`` tokens of the last ahead block are being verified: draft the block after them.
 
-        Returns at once (the write goes out in the background, after the injected delay)."""
+        Returns at once (the write goes out in the background, after the injected delay; a failed
+        write surfaces in ``take_ahead``)."""
         if self.broken is not None:
             return
         self.round += 1
@@ -252,36 +326,50 @@ class RemoteDrafter:
         a broken stream owes nothing and is cancelled at once."""
         if not self.started:
             return  # never opened: no stream to end
-        if self._start_task is not None and not self._start_task.done():
+        if not self._start_task.done():
             self._start_task.cancel()
+        elif not self._start_task.cancelled():
+            self._start_task.exception()  # retrieved: a failed start is not "never retrieved"
         if self._continue_write is not None:
             await asyncio.gather(self._continue_write, return_exceptions=True)
+        if self.call is None:
+            return
         if self.broken is not None and not self.call.done():
             self.call.cancel()
         await _close(self.call, self._reader)
 
 
-# Failures that mean "this verifier is gone", not "this request is bad".
+# Statuses that mean "this verifier (or its session) is gone or will not serve us", not "this
+# request is bad" (a refused service credential is the deployment's fault, never the client's).
 _MIGRATABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-               grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED}
+               grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED, grpc.StatusCode.DATA_LOSS,
+               grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED,
+               grpc.StatusCode.PERMISSION_DENIED}
+
+
+class VerifierUnavailable(StreamLost):
+    """The verifier's stream broke and no other replica could take the session over."""
 
 
 class MigratingVerifier:
     """``VerifierLink`` that survives the loss of its verifier while another replica is ready.
 
-    It tracks the committed text (prompt + tokens so far). When the stream breaks, it opens a
-    session on another replica whose prompt is that committed text; the new session's prefill
-    yields the next token, exactly the token plain decoding would produce there (random draws are
-    keyed by absolute position, so sampling continues identically distributed). The round whose
-    drafts were in flight counts as fully rejected. With no other replica, the error propagates
-    (the client gets UNAVAILABLE after the tokens already streamed).
+    It tracks the committed text (prompt + tokens so far). When the stream breaks (any lost stream,
+    see the module's docstring, or a status in ``_MIGRATABLE``), it opens a session on another
+    replica whose prompt is that committed text; the new session's prefill yields the next token,
+    exactly the token plain decoding would produce there (random draws are keyed by absolute
+    position, so sampling continues identically distributed). The round whose drafts were in
+    flight counts as fully rejected. A replacement that fails too is dropped for the next one.
+    With none left, ``VerifierUnavailable`` (the client gets UNAVAILABLE after the tokens already
+    streamed). Other statuses (DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, INVALID_ARGUMENT, ...) pass on.
     """
 
     def __init__(self, pool, backend, session_id: str, prompt_ids: list[int], params: SamplingParams,
-                 remaining_s, metadata=None, net_delay_s: float = 0.0) -> None:
+                 remaining_s, metadata=None, net_delay_s: float = 0.0, request_id: str = "") -> None:
         self.pool = pool
         self.net_delay_s = net_delay_s
         self.session_id = session_id
+        self.request_id = request_id or session_id  # for the logs: the client's id
         self.params = params
         self.remaining_s = remaining_s  # callable: the client's remaining deadline, or None
         self.metadata = metadata
@@ -295,30 +383,43 @@ class MigratingVerifier:
         return RemoteVerifier(backend.stub, self.session_id, list(prompt_ids), self.params,
                               self.remaining_s(), self.metadata, self.net_delay_s)
 
-    async def _migrate(self, error: BaseException) -> Verdict:
-        failed = self.backend
-        replacement = self.pool.pick(exclude={failed.address})
+    def _replace(self, error: BaseException, failed: set[str]) -> None:
+        """Move the session to another ready replica, or raise ``VerifierUnavailable``."""
+        lost = self.backend
+        failed.add(lost.address)
+        replacement = self.pool.pick(exclude=failed)
         if replacement is None:
-            raise error
-        log.warning("verifier %s failed for session %s (%s); re-prefilling %d tokens on %s",
-                    failed.address, self.session_id, error, len(self.committed), replacement.address)
-        failed.in_flight -= 1
-        failed.info = None  # not ready until its next successful refresh
+            log.warning("verifier %s failed for request %s (verifier session %s): %s; no other replica is ready",
+                        lost.address, self.request_id, self.session_id, describe(error))
+            raise VerifierUnavailable(f"verifier {lost.address} failed mid-request ({describe(error)}) "
+                                      "and no other verifier replica is ready") from error
+        log.warning("verifier %s failed for request %s (verifier session %s): %s; re-prefilling %d tokens on %s",
+                    lost.address, self.request_id, self.session_id, describe(error), len(self.committed),
+                    replacement.address)
+        lost.in_flight -= 1
+        lost.info = None  # not ready until its next successful refresh
         self.link.call.cancel()
         self.backend = replacement
         self.link = self._open(replacement, self.committed)
         self.migrations += 1
-        return await self.link.prefill()
 
     async def _guarded(self, operation) -> Verdict:
-        try:
-            return await operation()
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() not in _MIGRATABLE:
-                raise
-            return await self._migrate(exc)
-        except ConnectionError as exc:
-            return await self._migrate(exc)
+        failed: set[str] = set()
+        while True:
+            try:
+                return await operation()
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _MIGRATABLE:
+                    raise
+                error: BaseException = exc
+            except asyncio.CancelledError:
+                if own_cancel():
+                    raise
+                error = StreamLost("verifier stream cancelled")
+            except STREAM_FAILURES as exc:
+                error = exc
+            self._replace(error, failed)
+            operation = self.link.prefill  # the new session's prefill yields the next token
 
     async def prefill(self) -> Verdict:
         verdict = await self._guarded(self.link.prefill)

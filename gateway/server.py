@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -23,6 +24,7 @@ from specdec.sampling import with_random_seed
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 from gateway.links import MigratingVerifier, RemoteDrafter
+from gateway.requests import UndecodableRequest, add_gateway_service
 
 log = logging.getLogger("specdec.gateway")
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
@@ -40,6 +42,15 @@ class GatewayLimits:
     max_stop_strings: int = 16
     max_stop_length: int = 256
     max_request_id_length: int = 256
+    # Checked before tokenizing (what the event loop can afford for any request): the prompt's
+    # characters, or the message contents' in all; None = 16 per prompt token (a token of real text
+    # averages about 4), so a prompt far past max_prompt_tokens is refused without tokenizing it.
+    max_prompt_chars: int | None = None
+    max_stop_token_ids: int = 256
+
+    @property
+    def prompt_chars(self) -> int:
+        return self.max_prompt_chars if self.max_prompt_chars is not None else 16 * self.max_prompt_tokens
 
 
 @dataclass
@@ -63,18 +74,25 @@ class Backend:
     opened_since_report: int = 0
     removed: bool = False
     tokenizer_mismatch_logged: bool = False
+    refusal_logged: bool = False  # it refused our credentials (logged once until it accepts them)
 
     @property
     def load(self) -> int:
         return max(self.in_flight, self.reported_active + self.opened_since_report)
 
 
+_REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
 class BackendPool:
     """The replicas of one role: static addresses or a live EndpointSlice set, refreshed by GetInfo."""
 
-    def __init__(self, role: str, stub_cls, max_message_bytes: int, tls=None) -> None:
+    def __init__(self, role: str, stub_cls, max_message_bytes: int, tls=None,
+                 service_token: str | None = None) -> None:
         self.role = role
         self.tls = tls
+        self.service_token = service_token  # presented on every call (open_channel adds it)
+        self.server_name: str | None = None  # the TLS name discovered pods' certificates carry
         self.stub_cls = stub_cls
         self.max_message_bytes = max_message_bytes
         self.backends: list[Backend] = []
@@ -87,7 +105,8 @@ class BackendPool:
                 backend.removed = True  # new sessions avoid it; open ones finish there
         known = {b.address for b in self.backends if not b.removed}
         for address in sorted(wanted - known):
-            channel = open_channel(address, self.tls, self.max_message_bytes)
+            channel = open_channel(address, self.tls, self.max_message_bytes, service_token=self.service_token,
+                                   server_name=self.server_name)
             self.backends.append(Backend(address=address, channel=channel, stub=self.stub_cls(channel)))
         for backend in [b for b in self.backends if b.removed and b.in_flight == 0]:
             self.backends.remove(backend)
@@ -100,9 +119,15 @@ class BackendPool:
         async def one(backend: Backend) -> None:
             try:
                 info = await backend.stub.GetInfo(request, timeout=timeout)
-            except grpc.aio.AioRpcError:
+            except grpc.aio.AioRpcError as exc:
                 backend.info = None
+                if exc.code() in _REFUSED and not backend.refusal_logged:
+                    # Our service token or certificate is wrong: say so here, not only in its log.
+                    log.error("%s %s refuses this gateway (%s: %s); not using it", self.role, backend.address,
+                              exc.code().name, exc.details())
+                    backend.refusal_logged = True
                 return
+            backend.refusal_logged = False
             fingerprint = info.model.tokenizer_fingerprint
             if fingerprint and self.fingerprint and fingerprint != self.fingerprint:
                 if not backend.tokenizer_mismatch_logged:
@@ -153,6 +178,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.max_positions = 1 << 30
         # Warm starts for adaptive draft lengths, per (draft method, draft model, target model).
         self.acceptance_memory = AcceptanceMemory()
+        # Tokenizing (up to limits.prompt_chars characters) runs here, never on the event loop, so
+        # a long prompt cannot stall the other streams. One thread: the tokenizer is shared.
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-tokenize")
 
     # -- startup -------------------------------------------------------------------------------
     async def connect(self, poll_s: float = 0.5, refresh_s: float = 2.0, startup_wait_s: float = 15.0) -> None:
@@ -177,29 +205,69 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             await asyncio.sleep(refresh_s if serving and all_ready else poll_s)
 
     # -- request validation ----------------------------------------------------------------------
-    def _prompt_ids(self, request) -> list[int]:
-        given = [n for n in ("prompt", "messages", "prompt_token_ids") if getattr(request, n)]
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    def _input(self, request):
+        """The request's input, checked for size before any tokenizing: ``("prompt", text)``,
+        ``("messages", [(role, content)])`` or ``("prompt_token_ids", ids)``."""
+        limits = self.limits
+        text = request.prompt  # (each access to a string field builds a new str: once)
+        inputs = (("prompt", text), ("messages", request.messages), ("prompt_token_ids", request.prompt_token_ids))
+        given = [name for name, value in inputs if len(value)]
         if len(given) != 1:
             raise ValueError("input: set exactly one of prompt, messages, prompt_token_ids")
-        if request.prompt:
-            ids = encode_text(self.tokenizer, request.prompt)
-        elif request.messages:
+        if given[0] == "prompt":
+            if len(text) > limits.prompt_chars:
+                raise ValueError(f"prompt: {len(text)} characters exceed the limit of {limits.prompt_chars}")
+            return "prompt", text
+        if given[0] == "messages":
+            if len(request.messages) > limits.max_prompt_tokens:  # each message costs tokens
+                raise ValueError(f"messages: {len(request.messages)} messages exceed the limit of {limits.max_prompt_tokens}")
+            messages, chars = [], 0
             for i, message in enumerate(request.messages):
-                if message.role not in ROLES:
+                role, content = message.role, message.content
+                if role not in ROLES:
                     raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}")
-            ids = encode_chat(self.tokenizer, [(m.role, m.content) for m in request.messages])
+                chars += len(content)
+                messages.append((role, content))
+            if chars > limits.prompt_chars:
+                raise ValueError(f"messages: {chars} characters of content exceed the limit of {limits.prompt_chars}")
+            return "messages", messages
+        if len(request.prompt_token_ids) > limits.max_prompt_tokens:
+            raise ValueError(f"prompt_token_ids: {len(request.prompt_token_ids)} prompt tokens exceed the limit "
+                             f"of {limits.max_prompt_tokens}")
+        ids = [int(t) for t in request.prompt_token_ids]
+        bad = next((t for t in ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: id {bad} is outside the vocabulary (size {self.vocab_size})")
+        return "prompt_token_ids", ids
+
+    async def _prompt_ids(self, field: str, value) -> list[int]:
+        """Token ids of an input from ``_input``; tokenizing runs off the event loop."""
+        if field == "prompt":
+            ids = await self._off_loop(encode_text, self.tokenizer, value)
+        elif field == "messages":
+            try:
+                ids = await self._off_loop(encode_chat, self.tokenizer, value)
+            except ValueError:
+                raise
+            except Exception as exc:
+                if type(exc).__module__.startswith("jinja2"):  # the template refused them (raise_exception)
+                    raise ValueError(f"messages: {exc}") from exc
+                raise
         else:
-            ids = [int(t) for t in request.prompt_token_ids]
-            bad = next((t for t in ids if t >= self.vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"prompt_token_ids: id {bad} is outside the vocabulary (size {self.vocab_size})")
+            ids = value
         if not ids:
-            raise ValueError(f"{given[0]}: encodes to no tokens")
+            raise ValueError(f"{field}: encodes to no tokens")
         if len(ids) > self.limits.max_prompt_tokens:
-            raise ValueError(f"{given[0]}: {len(ids)} prompt tokens exceed the limit of {self.limits.max_prompt_tokens}")
+            raise ValueError(f"{field}: {len(ids)} prompt tokens exceed the limit of {self.limits.max_prompt_tokens}")
+        if len(ids) + 1 >= self.max_positions:
+            raise ValueError(f"{field}: no room left in the model context")
         return ids
 
     def _validate(self, request):
+        """Every check that costs next to nothing (sizes included); tokenizing comes after."""
         limits = self.limits
         if len(request.request_id) > limits.max_request_id_length:
             raise ValueError(f"request_id: longer than {limits.max_request_id_length} characters")
@@ -208,6 +276,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             raise ValueError(f"sampling.max_new_tokens: {sampling.max_new_tokens} exceeds the limit of {limits.max_new_tokens}")
         if len(sampling.stop) > limits.max_stop_strings or any(len(s) > limits.max_stop_length for s in sampling.stop):
             raise ValueError(f"sampling.stop: at most {limits.max_stop_strings} strings of <= {limits.max_stop_length} characters")
+        if len(sampling.stop_token_ids) > limits.max_stop_token_ids:
+            raise ValueError(f"sampling.stop_token_ids: at most {limits.max_stop_token_ids} ids")
         if any(t >= self.vocab_size for t in sampling.stop_token_ids):
             raise ValueError("sampling.stop_token_ids: ids must be below the vocabulary size")
         params = with_random_seed(convert.sampling_from_pb(sampling, limits.default_max_new_tokens))
@@ -219,21 +289,25 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         k = request.speculation.num_draft_tokens
         if k > limits.max_draft_tokens:
             raise ValueError(f"speculation.num_draft_tokens: {k} exceeds the limit of {limits.max_draft_tokens}")
-        prompt_ids = self._prompt_ids(request)
-        if len(prompt_ids) + 1 >= self.max_positions:
-            raise ValueError("prompt: no room left in the model context")
-        if method == "auto":
-            method = "model" if self.drafters.ready("model") else "ngram"
         mode = request.speculation.draft_ahead
         if mode not in gateway_pb2.DraftAheadMode.values():
             raise ValueError(f"speculation.draft_ahead: unknown value {mode}")
         draft_ahead = self.link_options.draft_ahead if mode == gateway_pb2.DRAFT_AHEAD_MODE_UNSPECIFIED \
             else mode == gateway_pb2.DRAFT_AHEAD_MODE_ON
-        return prompt_ids, params, method, k, draft_ahead
+        field, value = self._input(request)
+        return (field, value), params, method, k, draft_ahead
+
+    def _admit(self) -> None:
+        if self.active >= self.limits.max_sessions:
+            self.metrics.rejected.labels("gateway", "RESOURCE_EXHAUSTED").inc()
+            raise Overloaded(f"gateway at capacity ({self.limits.max_sessions} concurrent requests)")
 
     # -- the RPC ---------------------------------------------------------------------------------
     @map_errors
     async def Generate(self, request, context):
+        if isinstance(request, UndecodableRequest):  # bytes that do not parse (see gateway/requests.py)
+            self.metrics.rejected.labels("gateway", "INVALID_ARGUMENT").inc()
+            raise ValueError(await self._off_loop(request.explain))
         operation = "chat" if len(request.messages) else "text_completion"
         obs = telemetry.RequestTelemetry(self.telemetry, self.genai_metrics, operation, self.model_name)
         try:
@@ -247,25 +321,34 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
     async def _generate(self, request, context, obs: telemetry.RequestTelemetry):
         try:
-            prompt_ids, params, method, k, draft_ahead = self._validate(request)
+            prompt_input, params, method, k, draft_ahead = self._validate(request)
         except ValueError:
             self.metrics.rejected.labels("gateway", "INVALID_ARGUMENT").inc()
             raise
-        if self.active >= self.limits.max_sessions:
-            self.metrics.rejected.labels("gateway", "RESOURCE_EXHAUSTED").inc()
-            raise Overloaded(f"gateway at capacity ({self.limits.max_sessions} concurrent requests)")
+        self._admit()  # before tokenizing: a full gateway refuses at once
+        try:
+            prompt_ids = await self._prompt_ids(*prompt_input)
+        except ValueError:
+            self.metrics.rejected.labels("gateway", "INVALID_ARGUMENT").inc()
+            raise
+        if method == "auto":
+            method = "model" if self.drafters.ready("model") else "ngram"
+        self._admit()  # again: others may have been admitted meanwhile (no await from here to active += 1)
         verifier_backend = self.verifiers.pick()
         if verifier_backend is None:
             raise NotReady("no verifier is ready")
         request_id = request.request_id or uuid.uuid4().hex
+        # Downstream session ids are ours, unguessable, never the client's request_id (which another
+        # client could choose too, or use to cancel a session that is not its own).
+        verifier_session, drafter_session = uuid.uuid4().hex, uuid.uuid4().hex
         obs.begin(request_id=request_id, params=params, prompt_tokens=len(prompt_ids), method=method, requested_k=k)
         metadata = obs.metadata()  # W3C trace context for both downstream streams (None: tracing off)
         self.active += 1
         self.metrics.active_sessions.set(self.active)
         self.metrics.requests.inc()
         links = self.link_options
-        verifier = MigratingVerifier(self.verifiers, verifier_backend, request_id, prompt_ids, params,
-                                     context.time_remaining, metadata, links.net_delay_s)
+        verifier = MigratingVerifier(self.verifiers, verifier_backend, verifier_session, prompt_ids, params,
+                                     context.time_remaining, metadata, links.net_delay_s, request_id=request_id)
         # A drafter service of that method if one runs; n-gram lookup can also run right here.
         drafter_backend = self.drafters.pick(method) if method in ("model", "ngram") else None
         drafter_link, remote_drafter = None, None
@@ -276,8 +359,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                              co_batched=max(0, verifier_backend.load - 1))  # its other sessions, this one opened
         if drafter_backend is not None:
             drafter_backend.in_flight += 1
-            remote_drafter = RemoteDrafter(drafter_backend.stub, request_id, prompt_ids, params,
-                                           context.time_remaining, metadata, net_delay_s=links.net_delay_s)
+            remote_drafter = RemoteDrafter(drafter_backend.stub, drafter_session, prompt_ids, params,
+                                           context.time_remaining, metadata, net_delay_s=links.net_delay_s,
+                                           request_id=request_id)
             if policy.expects_to_draft():
                 # The drafter's prefill overlaps the verifier's. When plain decoding is expected to
                 # win (what this draft pair measured before), the session opens at the first
@@ -290,6 +374,12 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         obs.links(verifier, drafter_link, verifier_backend.address,
                   drafter_backend.address if drafter_backend is not None else None,
                   (drafter_backend.info.model.model or None) if drafter_backend is not None else None)
+        log.info("request %s: verifier session %s on %s, drafter session %s", request_id, verifier_session,
+                  verifier_backend.address, f"{drafter_session} on {drafter_backend.address}" if remote_drafter else "none")
+        if obs.span is not None:
+            obs.span.set_attribute("specdec.verifier.session_id", verifier_session)
+            if remote_drafter is not None:
+                obs.span.set_attribute("specdec.drafter.session_id", drafter_session)
         try:
             obs.generation_started()
             events = generate(
@@ -342,8 +432,10 @@ async def serve(target: str, verifier_addresses: list[str], drafter_addresses: l
     runtime = ServiceRuntime(SERVICE_NAME, options)
     loop = asyncio.get_running_loop()
     tokenizer = await loop.run_in_executor(None, load_tokenizer, target)
-    verifiers = BackendPool("verifier", verifier_pb2_grpc.VerifierStub, options.max_message_bytes, options.tls)
-    drafters = BackendPool("drafter", drafter_pb2_grpc.DrafterStub, options.max_message_bytes, options.tls)
+    verifiers = BackendPool("verifier", verifier_pb2_grpc.VerifierStub, options.max_message_bytes, options.tls,
+                            options.outbound_service_token)
+    drafters = BackendPool("drafter", drafter_pb2_grpc.DrafterStub, options.max_message_bytes, options.tls,
+                           options.outbound_service_token)
     verifiers.set_addresses(verifier_addresses)
     drafters.set_addresses(drafter_addresses)
     watchers = []
@@ -354,6 +446,8 @@ async def serve(target: str, verifier_addresses: list[str], drafter_addresses: l
         namespace = namespace or _pod_namespace()
         for service_name, pool in ((discover_verifiers, verifiers), (discover_drafters, drafters)):
             if service_name:
+                # Discovered replicas are pod IPs: their certificates name the Service instead.
+                pool.server_name = f"{service_name}.{namespace}.svc"
                 watcher = EndpointSliceWatcher(
                     api, namespace, service_name,
                     on_change=lambda addresses, pool=pool: loop.call_soon_threadsafe(pool.set_addresses, addresses),
@@ -362,7 +456,7 @@ async def serve(target: str, verifier_addresses: list[str], drafter_addresses: l
                 watchers.append(watcher)
     service = GatewayService(runtime, tokenizer, limits, verifiers, drafters, link_options)
     service.model_name = target
-    gateway_pb2_grpc.add_GatewayServicer_to_server(service, runtime.server)
+    add_gateway_service(service, runtime.server)  # Generate with a deserializer that tolerates bad bytes
     port = await runtime.start()
     runtime.install_signal_handlers()
     print(f"specdec gateway listening on {options.host}:{port}", flush=True)

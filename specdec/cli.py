@@ -44,6 +44,10 @@ def _add_serve_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight streams get on SIGTERM")
     p.add_argument("--max-sessions", type=int, default=64)
+    p.add_argument("--max-sessions-per-peer", type=int, default=None,
+                   help="drafter/verifier: sessions one client host may hold (default: all of --max-sessions; "
+                        "set it below that where several gateways share a drafter or verifier, so that one "
+                        "of them cannot take every session)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     _add_dtype_flag(p)
     p.add_argument("--idle-timeout", type=float, default=300.0,
@@ -67,6 +71,18 @@ def _add_serve_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--tls-key", default=None, help="PEM private key (env SPECDEC_TLS_KEY)")
     p.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify peers (env SPECDEC_TLS_CA)")
     p.add_argument("--tls-client-auth", action="store_true", help="require client certificates signed by --tls-ca (mTLS)")
+    p.add_argument("--tls-allowed-peers", action="append", default=[], metavar="NAMES",
+                   help="with --tls-client-auth: take calls only from client certificates naming one of these "
+                        "(comma-separated, repeatable; matched against the SANs and the CN; env "
+                        "SPECDEC_TLS_ALLOWED_PEERS), e.g. the gateway's on drafters and verifiers")
+    p.add_argument("--service-token-file", default=None,
+                   help="drafter/verifier: take calls only with one of these tokens (one per line, for rotation) "
+                        "in x-specdec-service-token; gateway: present the first to drafters and verifiers "
+                        "(env SPECDEC_SERVICE_TOKEN_FILE, or the tokens in SPECDEC_SERVICE_TOKEN). "
+                        "Without one, drafters and verifiers take calls from anyone who reaches them")
+    p.add_argument("--health-port", type=int, default=os.environ.get("SPECDEC_HEALTH_PORT") or None,
+                   help="also serve grpc.health.v1 alone on this plaintext port (Kubernetes' grpc probes "
+                        "cannot speak TLS; env SPECDEC_HEALTH_PORT)")
     p.add_argument("--otlp-endpoint", default=None,
                    help="OTLP/gRPC collector for traces and metrics, e.g. http://localhost:4317 "
                         "(default $OTEL_EXPORTER_OTLP_ENDPOINT; telemetry is off when neither is set)")
@@ -97,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     roles = serve.add_subparsers(dest="role", required=True)
     verifier = roles.add_parser("verifier")
     verifier.add_argument("--target", default=DEFAULT_TARGET)
+    verifier.add_argument("--max-new-tokens-cap", type=int, default=2048,
+                          help="the most tokens one session may generate, whatever its request asks (a larger "
+                               "sampling.max_new_tokens is refused)")
     _add_serve_flags(verifier, 50053)
     drafter = roles.add_parser("drafter")
     drafter.add_argument("--method", choices=["model", "ngram"], default="model")
@@ -289,6 +308,14 @@ def _batching(args):
                            max_wait_fraction=args.batch_wait_fraction, **chunking)
 
 
+def _sessions_per_peer(args) -> int | None:
+    if args.max_sessions_per_peer is not None and args.max_sessions_per_peer < 1:
+        raise SystemExit("--max-sessions-per-peer must be >= 1")
+    if args.role == "verifier" and args.max_new_tokens_cap < 1:
+        raise SystemExit("--max-new-tokens-cap must be >= 1")
+    return args.max_sessions_per_peer
+
+
 def service_threads(role: str, threads: int, device: str | None) -> int | None:
     """CPU threads for a service's torch operations; None leaves torch's default (one per core).
 
@@ -314,14 +341,30 @@ def service_threads(role: str, threads: int, device: str | None) -> int | None:
 def _serve(args) -> int:
     from specdec.rpc.server import ServeOptions
 
-    from specdec.rpc.security import TLSConfig, load_api_keys
+    from specdec.rpc.security import TLSConfig, load_api_keys, load_service_tokens, parse_allowed_peers
 
+    tls = TLSConfig.from_sources(args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_auth)
+    allowed_peers = parse_allowed_peers(args.tls_allowed_peers)
+    if allowed_peers and not (tls.enabled and tls.client_auth):
+        raise SystemExit("--tls-allowed-peers needs TLS with client certificates (--tls-cert/--tls-key/--tls-ca "
+                         "and --tls-client-auth)")
+    tokens = load_service_tokens(args.service_token_file)
+    model_service = args.role in ("verifier", "drafter")
     options = ServeOptions(
         host=args.host, port=args.port, metrics_port=args.metrics_port,
         max_message_bytes=args.max_message_bytes, grace_s=args.grace,
-        tls=TLSConfig.from_sources(args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_auth),
+        tls=tls,
         api_keys=tuple(load_api_keys(args.api_keys_file)) if args.role == "gateway" else (),
+        service_tokens=tuple(tokens) if model_service else (),
+        allowed_peers=allowed_peers,
+        outbound_service_token=tokens[0].decode() if tokens and not model_service else None,
+        health_port=args.health_port,
     )
+    if model_service and not tokens and not allowed_peers:
+        logging.getLogger("specdec.security").warning(
+            "%s: no service token (--service-token-file, SPECDEC_SERVICE_TOKEN) and no --tls-allowed-peers: "
+            "anyone who reaches this port can call it. Set one in production (README, Security; "
+            "specdec up sets one itself)", args.role)
     threads = service_threads(args.role, args.threads, args.device)
     if threads is not None:
         import torch
@@ -331,12 +374,14 @@ def _serve(args) -> int:
         from verifier_service.server import serve
 
         coro = serve(args.target, options, max_sessions=args.max_sessions, device=args.device,
-                     idle_timeout_s=args.idle_timeout, batching=_batching(args))
+                     idle_timeout_s=args.idle_timeout, batching=_batching(args),
+                     max_sessions_per_peer=_sessions_per_peer(args), max_new_tokens_cap=args.max_new_tokens_cap)
     elif args.role == "drafter":
         from drafter_service.server import serve
 
         coro = serve(args.method, args.draft_model, options, max_sessions=args.max_sessions, device=args.device,
-                     idle_timeout_s=args.idle_timeout, batching=_batching(args))
+                     idle_timeout_s=args.idle_timeout, batching=_batching(args),
+                     max_sessions_per_peer=_sessions_per_peer(args))
     else:
         from gateway.server import GatewayLimits, LinkOptions, serve
 

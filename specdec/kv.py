@@ -119,9 +119,12 @@ class KVSession:
 
     def rollback_to(self, length: int) -> None:
         """Make cache and ``cached_tokens`` agree on the first ``length`` positions (after a failed
-        batched pass, which may have grown some layers and not others)."""
-        for layer in self.growing_layers or []:
-            layer.crop(min(layer.length, length))
+        pass, which may have grown some layers and not others)."""
+        for layer in self.cache.layers if self.cache is not None else ():
+            if isinstance(layer, GrowingKVLayer):
+                layer.crop(min(layer.length, length))
+            elif hasattr(layer, "get_seq_length") and layer.get_seq_length() > length:
+                layer.crop(length - layer.get_seq_length())  # transformers' layers: drop that many
         del self.cached_tokens[length:]
 
     def prepare(self, tokens: list[int], num_logits: int) -> list[int]:
@@ -134,8 +137,17 @@ class KVSession:
         return tokens[keep:]
 
     def forward(self, tokens: list[int], num_logits: int = 1) -> torch.Tensor:
-        """Logits (fp32, [num_logits, V]) for the last ``num_logits`` positions of ``tokens``."""
-        logits = self.lm.forward(self.prepare(tokens, num_logits), self.cache, num_logits)
+        """Logits (fp32, [num_logits, V]) for the last ``num_logits`` positions of ``tokens``.
+
+        A forward that fails part-way (some layers grew, others not) leaves the cache where it was
+        before the new tokens, as a failed batched pass does."""
+        feed = self.prepare(tokens, num_logits)
+        kept = len(self.cached_tokens)
+        try:
+            logits = self.lm.forward(feed, self.cache, num_logits)
+        except BaseException:
+            self.rollback_to(kept)
+            raise
         self.cached_tokens = list(tokens)
         return logits
 

@@ -28,6 +28,15 @@ CACHE_ENV = "SPECDEC_CACHE_DIR"
 EMBEDDED_DRAFT = "embedded-draft"
 EMBEDDED_DRAFT_DIR = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-draft"
 MAX_VOCAB_PADDING = 128
+# Families whose per-token state is recurrent (state-space, RWKV, linear attention, hybrids of them):
+# a rejected draft's update to that state cannot be taken back by cutting a length.
+RECURRENT_MODEL_TYPES = frozenset({
+    "mamba", "mamba2", "falcon_mamba", "falcon_h1", "jamba", "bamba", "zamba", "zamba2", "nemotron_h",
+    "granitemoehybrid", "rwkv", "rwkv5", "rwkv6", "rwkv7", "recurrent_gemma", "xlstm", "lfm2", "lfm2_moe",
+    "qwen3_next", "minimax", "plamo2", "hymba", "kimi_linear",
+})
+RECURRENT_MARKERS = ("mamba", "rwkv", "recurrent", "xlstm", "ssm")
+ROLLBACK_LAYER_TYPES = frozenset({"full_attention", "dummy", "moe", "mlp"})  # the last three hold no cache of their own
 
 
 def cache_dir() -> Path:
@@ -132,6 +141,55 @@ def default_draft_model(target: str) -> str | None:
     return None
 
 
+def check_rollback(config, name: str = "model") -> None:
+    """``ModelLoadError`` unless every layer's cache of a model with ``config`` can roll back to any
+    earlier length, which speculative decoding does after every rejected draft (``KVSession``).
+
+    Refused: recurrent or linear-attention state (model types such as mamba, rwkv, recurrent_gemma,
+    or ``layer_types`` naming such layers), and sliding-window or chunked attention whose window is
+    shorter than the context (``sliding_window`` / ``layer_types`` / ``use_sliding_window``,
+    ``attention_chunk_size``): past the window such a cache has dropped the keys a rollback would
+    need. A window at least as long as the context never drops anything and is served.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = str(getattr(text, "model_type", "") or getattr(config, "model_type", "")).lower()
+    cannot = f"{name}: cannot serve speculative decoding"
+    if model_type in RECURRENT_MODEL_TYPES or any(marker in model_type for marker in RECURRENT_MARKERS):
+        raise ModelLoadError(f"{cannot}: model type {model_type!r} keeps recurrent (state-space / linear-attention) "
+                             "state, which cannot roll back rejected drafts")
+    context = int(getattr(text, "max_position_embeddings", None) or 1 << 30)
+    window = getattr(text, "sliding_window", None)
+    chunk = getattr(text, "attention_chunk_size", None)
+    for index, kind in enumerate(getattr(text, "layer_types", None) or ()):
+        if kind in ROLLBACK_LAYER_TYPES:
+            continue
+        size = window if "sliding" in kind else chunk if kind == "chunked_attention" else None
+        if kind in ("sliding_attention", "chunked_attention") and size and int(size) >= context:
+            continue
+        why = (f"uses {kind} with a window of {size} < the context of {context}: its cache drops keys past the "
+               "window and" if size else f"is a {kind!r} layer: its state")
+        raise ModelLoadError(f"{cannot}: layer {index} {why} cannot roll back rejected drafts")
+    if getattr(text, "use_sliding_window", True) is not False and window and int(window) < context \
+            and not getattr(text, "layer_types", None):
+        raise ModelLoadError(f"{cannot}: sliding-window attention (sliding_window={window} < the context of "
+                             f"{context}) drops keys past the window, which a rollback of rejected drafts needs")
+    # What transformers will actually build for it (catches layer kinds the config names differently).
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    try:
+        layers = DynamicCache(config=config).layers
+    except Exception:  # noqa: BLE001 - configs transformers cannot build a cache from: the checks above decide
+        return
+    for index, layer in enumerate(layers):
+        if type(layer) is DynamicLayer or type(layer).__name__ == "DummyLayer":
+            continue
+        if type(layer) is DynamicSlidingWindowLayer and layer.sliding_window >= context:
+            continue
+        raise ModelLoadError(f"{cannot}: layer {index}'s cache ({type(layer).__name__}) cannot roll back "
+                             "rejected drafts")
+
+
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
@@ -145,11 +203,16 @@ def load_model(
     trust_remote_code: bool = False,
 ) -> LoadedModel:
     """Load a Hugging Face causal LM by hub id or local directory (safetensors only)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     path = resolve_model_path(name_or_path)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load model {name_or_path!r}: {exc}") from exc
+    check_rollback(config, name_or_path)  # before the weights: refused at once
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(

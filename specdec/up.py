@@ -2,13 +2,18 @@
 
 The gateway listens on ``--port``, the drafter on +1, the verifier on +2 (metrics, when asked for,
 on ``--metrics-port`` +0/+1/+2 in the same order). Flags that the services take one by one
-(keys, TLS, limits, the service token) are passed to the child that uses them.
+(keys, TLS, limits) are passed to the child that uses them.
+
+The stack is closed by default: each run draws a random service token and hands it to the three
+children in their environment (``SPECDEC_SERVICE_TOKEN``; never on a command line, which other
+users can read), so that the drafter and the verifier take calls from this gateway only.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -52,6 +57,9 @@ def add_arguments(up: argparse.ArgumentParser, default_target: str) -> None:
     up.add_argument("--tls-key", default=None)
     up.add_argument("--tls-ca", default=None, help="CA bundle that verifies peers")
     up.add_argument("--tls-client-auth", action="store_true", help="require client certificates (mTLS)")
+    up.add_argument("--service-token-file", default=None,
+                    help="the token the gateway presents to drafter and verifier (default: a random one per run, "
+                         "which nothing outside the stack knows)")
 
 
 def deprioritise(nice: int, idle: bool):
@@ -95,6 +103,18 @@ def _flags(args, names: list[str]) -> list[str]:
     return out
 
 
+def service_token_env(args) -> dict[str, str]:
+    """The children's environment for the service token: ``--service-token-file`` when given, else a
+    fresh random token (and no inherited token file, so the three agree on exactly this one)."""
+    path = getattr(args, "service_token_file", None)
+    if path:
+        from specdec.rpc.security import load_service_tokens
+
+        load_service_tokens(path)  # a bad file stops here, not in three children restarting forever
+        return {"SPECDEC_SERVICE_TOKEN_FILE": os.path.abspath(path), "SPECDEC_SERVICE_TOKEN": ""}
+    return {"SPECDEC_SERVICE_TOKEN": secrets.token_urlsafe(32), "SPECDEC_SERVICE_TOKEN_FILE": ""}
+
+
 def children(args) -> list[ChildSpec]:
     """The three services' commands (raises SystemExit for a draft method that cannot run)."""
     from specdec.models import default_draft_model
@@ -119,19 +139,20 @@ def children(args) -> list[ChildSpec]:
         drafter_cmd += ["--device", args.drafter_device]
     # A TLS stack's gateway names its peers by host name so that certificates verify; loopback here.
     peer_host = "localhost" if args.tls_cert else host
+    env = service_token_env(args)  # one token for the three (and the same after a restart)
     return [
         ChildSpec("verifier", base + ["verifier", "--target", args.target, "--host", host, "--port",
-                                      str(verifier_port), *common, *metrics(2)],
-                  f"{peer_host}:{verifier_port}", drain_order=1),
+                                      str(verifier_port), *common, *metrics(2), *_flags(args, ["max-new-tokens-cap"])],
+                  f"{peer_host}:{verifier_port}", drain_order=1, env=env),
         ChildSpec("drafter", drafter_cmd + common + metrics(1), f"{peer_host}:{drafter_port}", drain_order=1,
-                  after_ready=deprioritise(args.drafter_nice, idle=args.drafter_sched == "idle")),
+                  after_ready=deprioritise(args.drafter_nice, idle=args.drafter_sched == "idle"), env=env),
         ChildSpec("gateway", base + ["gateway", "--target", args.target, "--host", host, "--port", str(gateway_port),
                                      "--verifier", f"{peer_host}:{verifier_port}",
                                      "--drafter", f"{peer_host}:{drafter_port}",
                                      "--draft-ahead" if args.draft_ahead else "--no-draft-ahead",
                                      "--net-delay-ms", str(args.net_delay_ms), *common, *metrics(0),
                                      *_flags(args, ["max-new-tokens-cap", "max-prompt-tokens", "api-keys-file"])],
-                  f"{peer_host}:{gateway_port}", drain_order=0),
+                  f"{peer_host}:{gateway_port}", drain_order=0, env=env),
     ]
 
 

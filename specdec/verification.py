@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from specdec.acceptance import AcceptanceResult, accept_greedy, accept_speculative
@@ -85,6 +86,61 @@ class TargetSession:
     def close(self) -> None:
         self.kv.close()
 
+
+# A reported q must sum to 1 within this (the drafter sends its fp32 renormalised support: ~1e-6 off).
+Q_SUM_TOLERANCE = 1e-3
+
+
+def check_draft_probs(proposal: DraftProposal, support_bound: int | None = None) -> None:
+    """``ValueError`` naming the field unless every reported draft distribution is well formed.
+
+    The rule: with ``draft_probs`` present there is exactly one distribution per draft token; each
+    one's ids are unique (and below ``support_bound`` when given), its probabilities finite, >= 0 and
+    summing to 1 within ``Q_SUM_TOLERANCE``, and its own draft token is in its support with q > 0.
+
+    Why no floor under q(draft token). Acceptance is exact for any q the draft token was truly drawn
+    from, and nothing the verifier sees can show whether it was: a forged q (say q(x) = 1e-45, which
+    makes x all but certain to pass u * q(x) < p(x)) is indistinguishable from a real draw of an
+    unlikely token. A real sampler does emit such values: ``truncate_top_k`` keeps every positive
+    entry of an fp32 softmax, denormals included, and samples them with their probability. A floor f
+    would therefore refuse legitimate requests (up to K * f of a K-entry support per draft), and would
+    buy little: a forger claiming q(x) = f still forces every token with p(x) >= f. What does bound a
+    lying client is enforced elsewhere and holds for any q: no token with p(x) = 0 under the request's
+    own processed distribution is ever accepted (strict compare), a session only ever affects its own
+    output (per-session state, position-keyed draws), and its work is bounded (draft count,
+    max_new_tokens, context). Who may send proposals at all is the services' authentication.
+    """
+    probs = proposal.draft_probs
+    if probs is None:
+        return
+    k = len(proposal.draft_tokens)
+    if len(probs) != k:
+        raise ValueError(f"draft_probs: {len(probs)} distributions for {k} draft tokens "
+                         "(need one per draft token, or none)")
+    # Plain Python over each support (a few dozen entries): no tensor operations on the caller's thread.
+    for i, (token, q) in enumerate(zip(proposal.draft_tokens, probs)):
+        ids, values = q.token_ids.tolist(), q.probs.tolist()
+        if len(ids) != len(values) or not ids:
+            raise ValueError(f"draft_probs[{i}]: need as many probs as token_ids (>= 1), "
+                             f"got {len(values)} and {len(ids)}")
+        if min(ids) < 0:
+            raise ValueError(f"draft_probs[{i}].token_ids: negative id {min(ids)}")
+        if support_bound is not None and max(ids) >= support_bound:
+            raise ValueError(f"draft_probs[{i}].token_ids: id {max(ids)} is outside the vocabulary "
+                             f"(ids below {support_bound})")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"draft_probs[{i}].token_ids: repeated id")
+        if not all(map(math.isfinite, values)):
+            raise ValueError(f"draft_probs[{i}].probs: not finite")
+        if min(values) < 0:
+            raise ValueError(f"draft_probs[{i}].probs: negative probability {min(values):g}")
+        total = math.fsum(values)  # float64 and exact: fp32 values cannot overflow it
+        if abs(total - 1.0) > Q_SUM_TOLERANCE:
+            raise ValueError(f"draft_probs[{i}].probs: sum {total:.6g}, not 1 within {Q_SUM_TOLERANCE:g}")
+        at = ids.index(int(token)) if int(token) in ids else None
+        if at is None or values[at] <= 0:
+            raise ValueError(f"draft_probs[{i}]: draft token {int(token)} is not in its support with q > 0 "
+                             f"(draft_token_ids[{i}] must have been sampled from draft_probs[{i}])")
 
 
 @dataclass(frozen=True)

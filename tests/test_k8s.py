@@ -3,9 +3,11 @@ follows the project's policies."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import kubernetes_validate
@@ -13,16 +15,29 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-OVERLAYS = ["cpu", "gpu"]
+# An overlay, or "overlay+component+...": the overlay with those k8s/components added (as an
+# operator's own overlay would add them).
+OVERLAYS = ["cpu", "gpu", "cpu+tls+api-keys"]
 K8S_VERSION = "1.32.0"
 PRE_STOP_S = 5
+MODEL_SERVICES = ("specdec-drafter", "specdec-verifier")
 
 
-def render(overlay: str) -> list[dict]:
+def render(variant: str) -> list[dict]:
     kubectl = shutil.which("kubectl")
     assert kubectl, "kubectl (with its built-in kustomize) is needed to render k8s/overlays"
-    out = subprocess.run([kubectl, "kustomize", str(ROOT / "k8s" / "overlays" / overlay)],
-                         check=True, capture_output=True, text=True).stdout
+    overlay, *components = variant.split("+")
+    with tempfile.TemporaryDirectory() as tmp:
+        if components:  # kustomize wants relative paths: a kustomization beside, pointing back here
+            rel = os.path.relpath(ROOT / "k8s", tmp)
+            (Path(tmp) / "kustomization.yaml").write_text(yaml.safe_dump({
+                "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                "resources": [f"{rel}/overlays/{overlay}"],
+                "components": [f"{rel}/components/{c}" for c in components]}))
+            target = tmp
+        else:
+            target = str(ROOT / "k8s" / "overlays" / overlay)
+        out = subprocess.run([kubectl, "kustomize", target], check=True, capture_output=True, text=True).stdout
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
@@ -39,7 +54,7 @@ def test_every_object_validates_against_the_schema(rendered):
     _, objects = rendered
     kinds = {o["kind"] for o in objects}
     assert {"Namespace", "ConfigMap", "Deployment", "Service", "ServiceAccount", "Role", "RoleBinding",
-            "PodDisruptionBudget", "HorizontalPodAutoscaler"} <= kinds
+            "PodDisruptionBudget", "HorizontalPodAutoscaler", "NetworkPolicy"} <= kinds
     for obj in objects:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
@@ -189,3 +204,142 @@ def test_model_services_take_their_threads_from_their_cpu_request(rendered, monk
     assert build_parser().parse_args(["serve", "drafter"]).threads == 3
     monkeypatch.delenv("SPECDEC_THREADS")
     assert build_parser().parse_args(["serve", "verifier"]).threads == 0
+
+
+# -- who may call whom -------------------------------------------------------------------------------
+
+def selects(selector: dict, labels: dict) -> bool:
+    """A Kubernetes label selector (matchLabels, matchExpressions) against a pod's labels."""
+    if not all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expression in selector.get("matchExpressions") or []:
+        key, op, values = expression["key"], expression["operator"], expression.get("values", [])
+        ok = {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+def pod_templates(objects) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d["spec"]["template"] for d in deployments(objects)}
+
+
+def test_network_policies_let_only_gateways_reach_the_model_services(rendered):
+    """Default deny for drafter and verifier pods; their gRPC port from gateway pods of the
+    namespace only, their metrics port from the monitoring namespace only, nothing else."""
+    _, objects = rendered
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    pods = pod_templates(objects)
+    gateway_labels = pods["specdec-gateway"]["metadata"]["labels"]
+    for name in MODEL_SERVICES:
+        labels = pods[name]["metadata"]["labels"]
+        ports = {p["name"]: p["containerPort"] for p in pods[name]["spec"]["containers"][0]["ports"]}
+        selecting = [p for p in policies if selects(p["spec"]["podSelector"], labels)]
+        assert all(p["metadata"]["namespace"] == "specdec" for p in selecting)
+        assert any(p["spec"]["policyTypes"] == ["Ingress"] and not p["spec"].get("ingress") for p in selecting), \
+            f"{name}: no default-deny ingress policy"
+        allowed: dict[int, list[dict]] = {}
+        for policy in selecting:
+            assert "Ingress" in policy["spec"]["policyTypes"]
+            for rule in policy["spec"].get("ingress") or []:
+                # A rule without "from" admits every source, one without "ports" every port.
+                assert rule.get("from") and rule.get("ports"), f"{policy['metadata']['name']}: too open"
+                for port in rule["ports"]:
+                    assert port.get("protocol", "TCP") == "TCP"
+                    number = ports[port["port"]] if isinstance(port["port"], str) else port["port"]
+                    assert number in ports.values(), f"{name}: a policy names a port the pod lacks"
+                    allowed.setdefault(number, []).extend(rule["from"])
+        assert set(allowed) == {ports["grpc"], ports["metrics"]}, name
+        for peer in allowed[ports["grpc"]]:
+            assert set(peer) == {"podSelector"}, f"{name}: gRPC open beyond this namespace's pods"
+            assert selects(peer["podSelector"], gateway_labels)
+            assert not any(selects(peer["podSelector"], pods[other]["metadata"]["labels"]) for other in MODEL_SERVICES)
+        for peer in allowed[ports["metrics"]]:
+            assert peer == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    # The gateway is the public entry: no policy isolates it.
+    assert not any(selects(p["spec"]["podSelector"], gateway_labels) for p in policies)
+
+
+def test_every_service_reads_the_service_token_from_the_operators_secret(rendered, tmp_path, monkeypatch):
+    """Gateway, drafter and verifier take the token from Secret specdec-service-token (mounted as a
+    file, not optional: without it a pod waits instead of starting open). The manifests hold no
+    Secret: the operator creates it (docs/kubernetes.md)."""
+    from specdec.rpc.security import load_service_tokens
+
+    _, objects = rendered
+    assert not [o for o in objects if o["kind"] == "Secret"], "secret material does not belong in the repository"
+    for name, template in pod_templates(objects).items():
+        if not name.startswith("specdec-"):
+            continue
+        pod, container = template["spec"], template["spec"]["containers"][0]
+        env = {e["name"]: e for e in container["env"]}
+        assert "SPECDEC_SERVICE_TOKEN" not in env, f"{name}: a literal token"
+        path = env["SPECDEC_SERVICE_TOKEN_FILE"]["value"]
+        mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/"))
+        assert mount.get("readOnly") is True
+        secret = next(v for v in pod["volumes"] if v["name"] == mount["name"])["secret"]
+        assert secret["secretName"] == "specdec-service-token" and not secret.get("optional"), name
+        assert secret["defaultMode"] & 0o007 == 0, f"{name}: the token is world-readable"
+        assert {"key": "token", "path": path[len(mount["mountPath"].rstrip("/")) + 1:]} in secret["items"], name
+    token = tmp_path / "token"
+    token.write_text("a-generated-token-of-43-characters-0123456\n")
+    monkeypatch.delenv("SPECDEC_SERVICE_TOKEN", raising=False)
+    monkeypatch.setenv("SPECDEC_SERVICE_TOKEN_FILE", str(token))
+    assert load_service_tokens() == [b"a-generated-token-of-43-characters-0123456"]
+
+
+def test_tls_component_secures_every_hop(rendered, monkeypatch):
+    """With k8s/components/tls: each service serves its own certificate; drafters and verifiers
+    require a client certificate from the CA naming the gateway; probes go to a plaintext
+    health-only port (the kubelet's grpc probes cannot speak TLS)."""
+    from specdec.cli import build_parser
+    from specdec.rpc.security import TLSConfig, parse_allowed_peers
+
+    variant, objects = rendered
+    if "tls" not in variant.split("+"):
+        for template in pod_templates(objects).values():
+            names = {e["name"] for e in template["spec"]["containers"][0].get("env", [])}
+            assert not {"SPECDEC_TLS_CERT", "SPECDEC_HEALTH_PORT"} & names
+        return
+    for name, template in pod_templates(objects).items():
+        if not name.startswith("specdec-"):
+            continue
+        pod, container = template["spec"], template["spec"]["containers"][0]
+        env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+        for key in [k for k in os.environ if k.startswith("SPECDEC_TLS_")]:
+            monkeypatch.delenv(key)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        tls = TLSConfig.from_sources()
+        assert tls.enabled and tls.ca is not None
+        mount = next(m for m in container["volumeMounts"] if str(tls.cert).startswith(m["mountPath"] + "/"))
+        secret = next(v for v in pod["volumes"] if v["name"] == mount["name"])["secret"]
+        assert secret["secretName"] == f"{name}-tls"
+        assert {tls.cert.name, tls.key.name, tls.ca.name} == {"tls.crt", "tls.key", "ca.crt"}  # cert-manager's keys
+        if name in MODEL_SERVICES:
+            assert tls.client_auth and parse_allowed_peers([]) == ("specdec-gateway.specdec.svc",), name
+        else:
+            assert not tls.client_auth and parse_allowed_peers([]) == ()
+        health_port = build_parser().parse_args(["serve", name.removeprefix("specdec-")]).health_port
+        assert health_port and {"name": "health", "containerPort": health_port} in container["ports"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"]["port"] == health_port, f"{name}/{probe}"
+    # The health port is no way in: the NetworkPolicies admit gRPC and metrics only (the kubelet's
+    # probes come from the node, which NetworkPolicy always admits).
+
+
+def test_api_keys_component_gives_the_gateway_its_keys(rendered):
+    variant, objects = rendered
+    gateway = pod_templates(objects)["specdec-gateway"]
+    container = gateway["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    if "api-keys" not in variant.split("+"):
+        assert "SPECDEC_API_KEYS_FILE" not in env
+        return
+    path = env["SPECDEC_API_KEYS_FILE"]
+    mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+    secret = next(v for v in gateway["spec"]["volumes"] if v["name"] == mount["name"])["secret"]
+    assert secret["secretName"] == "specdec-api-keys" and not secret.get("optional")
+    for name in MODEL_SERVICES:  # client keys stay at the gateway
+        assert "SPECDEC_API_KEYS_FILE" not in {e["name"] for e in pod_templates(objects)[name]["spec"]["containers"][0]["env"]}

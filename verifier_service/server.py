@@ -9,11 +9,11 @@ import time
 
 from specdec import telemetry
 from specdec.costs import measure_forward_curve
-from specdec.models import LoadedModel, load_model
+from specdec.models import MAX_VOCAB_PADDING, LoadedModel, load_model
 from specdec.rpc import convert
 from specdec.rpc.scheduler import BatchingOptions
 from specdec.rpc.server import NotReady, idle_guard, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
-from specdec.rpc.sessions import ModelWorkerService
+from specdec.rpc.sessions import ModelWorkerService, validate_session_id
 from specdec.sampling import DraftProposal
 from specdec.v1 import types_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.verification import PrefillChunk, TargetSession, Verdict, VerifyJob, verify_batch
@@ -22,13 +22,16 @@ log = logging.getLogger("specdec.verifier")
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 FORWARD_CURVE_MAX_DRAFTS = 16  # the start-up timing covers k = 0..16 (the policy extends it beyond)
 FORWARD_CURVE_REPS = 3
+DEFAULT_MAX_NEW_TOKENS_CAP = 2048  # --max-new-tokens-cap: what one session may generate, whatever it asks
 
 
 class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
     role = "verifier"
 
-    def __init__(self, runtime: ServiceRuntime, **kwargs) -> None:
+    def __init__(self, runtime: ServiceRuntime, max_new_tokens_cap: int = DEFAULT_MAX_NEW_TOKENS_CAP,
+                 **kwargs) -> None:
         super().__init__(runtime, **kwargs)
+        self.max_new_tokens_cap = max_new_tokens_cap
         self.lm: LoadedModel | None = None
         self.forward_cost_s: list[float] = []  # measured at start-up; reported by GetInfo
 
@@ -63,6 +66,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
         key = None
         cancelled = asyncio.Event()  # set by an out-of-band cancel of this session
         session: TargetSession | None = None
+        budget = 0  # the committed length (prompt + max_new_tokens) this session never passes
         trace = telemetry.current().session_trace(context, SERVICE_NAME, "Verify", "verifier")  # None: off
         try:
             async for request in idle_guard(request_iterator, self.idle_timeout_s, cancelled):
@@ -72,11 +76,16 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                     if session is not None:
                         raise ValueError("start: a stream carries exactly one session")
                     start = request.start
+                    validate_session_id(start.session_id)
                     prompt = [int(t) for t in start.prompt_token_ids]
                     lm.validate_prompt(prompt)
-                    params = convert.sampling_from_pb(start.sampling)
+                    params = convert.sampling_from_pb(start.sampling, min(128, self.max_new_tokens_cap))
+                    if params.max_new_tokens > self.max_new_tokens_cap:
+                        raise ValueError(f"sampling.max_new_tokens: {params.max_new_tokens} exceeds this verifier's "
+                                         f"cap ({self.max_new_tokens_cap}; --max-new-tokens-cap)")
+                    budget = len(prompt) + params.max_new_tokens  # the committed length never passes it
                     session = TargetSession(lm, prompt, params)
-                    key = self.sessions.open(start.session_id, session, cancelled)
+                    key = self.sessions.open(start.session_id, session, cancelled, peer=context.peer())
                     verdict, chunks = await self._prefill(session)
                     self.metrics.tokens.inc(len(verdict.tokens))
                     if trace is not None:
@@ -88,8 +97,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                 elif kind == "block":
                     if session is None:
                         raise ValueError("block: send start first")
-                    proposal = convert.proposal_from_pb(request.block)
-                    self._validate_block(proposal, session, lm)
+                    proposal = self._validate_block(request.block, session, lm, budget)
                     verdict = await self._verify(session, proposal, len(proposal) + 1)
                     self.metrics.tokens.inc(len(verdict.tokens))
                     self.metrics.draft_tokens.inc(verdict.num_drafts)
@@ -137,18 +145,32 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
     def _run_batch(self, jobs: list[VerifyJob]) -> list:
         return verify_batch(self.lm, jobs)
 
-    def _validate_block(self, proposal: DraftProposal, session: TargetSession, lm: LoadedModel) -> None:
-        k = len(proposal)
+    def _validate_block(self, block, session: TargetSession, lm: LoadedModel, budget: int) -> DraftProposal:
+        """The block's proposal, checked before anything of it is applied (``ValueError`` naming the
+        field; the session is untouched): the draft count within this verifier's limit, ids in the
+        vocabulary, each q well formed (``verification.check_draft_probs``, which says why there is
+        no floor under q), the context, and the session's max_new_tokens (capped by
+        ``--max-new-tokens-cap``): a session that has generated them all gets no more verdicts, and a
+        block whose verdict could pass them is verified on its first drafts only (a prefix of a
+        proposal is a proposal: exact), so no verdict commits past them."""
+        k = len(block.draft_token_ids)
         if k > self.max_draft_tokens:
             raise ValueError(f"draft_token_ids: {k} drafts exceed this verifier's limit ({self.max_draft_tokens})")
-        if any(t >= lm.vocab_size for t in proposal.draft_tokens):
-            raise ValueError(f"draft_token_ids: ids must be below the vocabulary size {lm.vocab_size}")
+        bad = next((t for t in block.draft_token_ids if t >= lm.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"draft_token_ids: id {bad} is outside the vocabulary (size {lm.vocab_size})")
         if len(session.tokens) + k >= lm.max_positions:
             raise ValueError("draft_token_ids: the block would exceed the model context")
+        remaining = budget - len(session.tokens)
+        if remaining <= 0:
+            raise ValueError(f"max_new_tokens: the session has generated its {session.params.max_new_tokens} "
+                             "tokens (sampling.max_new_tokens); no further blocks")
+        proposal = convert.proposal_from_pb(block, support_bound=lm.vocab_size + MAX_VOCAB_PADDING)
+        return proposal.prefix(remaining - 1) if k + 1 > remaining else proposal
 
     @map_unary_errors
     async def CancelVerify(self, request, context):
-        self.sessions.cancel(request.session_id)
+        self.sessions.cancel(request.session_id, context.peer())  # only the opener's own sessions
         return verifier_pb2.CancelVerifyResponse()
 
     @map_unary_errors
@@ -167,9 +189,12 @@ def _us_since(started: float) -> int:
 
 
 async def serve(target: str, options: ServeOptions, max_sessions: int = 64, device: str | None = None,
-                idle_timeout_s: float | None = 300.0, batching: BatchingOptions | None = None) -> None:
+                idle_timeout_s: float | None = 300.0, batching: BatchingOptions | None = None,
+                max_sessions_per_peer: int | None = None,
+                max_new_tokens_cap: int = DEFAULT_MAX_NEW_TOKENS_CAP) -> None:
     runtime = ServiceRuntime(SERVICE_NAME, options)
-    service = VerifierService(runtime, max_sessions=max_sessions, idle_timeout_s=idle_timeout_s, batching=batching)
+    service = VerifierService(runtime, max_sessions=max_sessions, idle_timeout_s=idle_timeout_s, batching=batching,
+                              max_sessions_per_peer=max_sessions_per_peer, max_new_tokens_cap=max_new_tokens_cap)
     verifier_pb2_grpc.add_VerifierServicer_to_server(service, runtime.server)
     port = await runtime.start()
     runtime.install_signal_handlers()

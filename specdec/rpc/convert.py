@@ -10,7 +10,7 @@ from specdec.lm import LoadedModel
 from specdec.ragged import BatchInfo
 from specdec.sampling import DEFAULT_DRAFT_TOP_K, DraftProposal, SamplingParams, SparseDistribution
 from specdec.v1 import gateway_pb2, types_pb2
-from specdec.verification import Verdict
+from specdec.verification import Verdict, check_draft_probs
 
 FINISH_REASON_TO_PB = {
     FINISH_STOP: gateway_pb2.FINISH_REASON_STOP,
@@ -59,13 +59,10 @@ def sparse_to_pb(dist: SparseDistribution) -> types_pb2.SparseDistribution:
 
 
 def sparse_from_pb(pb: types_pb2.SparseDistribution) -> SparseDistribution:
-    if len(pb.token_ids) != len(pb.probs) or not pb.token_ids:
-        raise ValueError("draft_probs: each distribution needs as many probs as token_ids (>= 1)")
-    probs = torch.tensor(list(pb.probs), dtype=torch.float32)
-    if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()) or float(probs.sum()) <= 0:
-        raise ValueError("draft_probs: probabilities must be finite, >= 0 and not all 0")
-    # float32 on the wire is what the drafter sampled from (it sampled from these exact values).
-    return SparseDistribution(torch.tensor(list(pb.token_ids), dtype=torch.long), probs)
+    """The distribution as sent: float32 on the wire is what the drafter sampled from. Whether it is
+    a distribution at all is ``verification.check_draft_probs``'s to say (``proposal_from_pb``)."""
+    return SparseDistribution(torch.tensor(list(pb.token_ids), dtype=torch.long),
+                              torch.tensor(list(pb.probs), dtype=torch.float32))
 
 
 def proposal_fields(proposal: DraftProposal) -> dict:
@@ -74,14 +71,19 @@ def proposal_fields(proposal: DraftProposal) -> dict:
     return {"draft_token_ids": list(proposal.draft_tokens), "draft_probs": probs}
 
 
-def proposal_from_pb(msg) -> DraftProposal:
-    """From a message with ``draft_token_ids`` and ``draft_probs`` (DraftProposal or VerifyBlock)."""
+def proposal_from_pb(msg, support_bound: int | None = None) -> DraftProposal:
+    """From a message with ``draft_token_ids`` and ``draft_probs`` (DraftProposal or VerifyBlock).
+
+    ``ValueError`` naming the field unless each q is well formed (one per draft token, unique ids,
+    finite probabilities >= 0 summing to 1, the draft token in its own support): the gateway treats
+    a drafter that sends otherwise as failed, the verifier refuses the block. ``support_bound``
+    (the verifier): ids of each q's support must be below it."""
     tokens = [int(t) for t in msg.draft_token_ids]
     if not msg.draft_probs:
         return DraftProposal(tokens, None)
-    if len(msg.draft_probs) != len(tokens):
-        raise ValueError("draft_probs: need one distribution per draft token (or none)")
-    return DraftProposal(tokens, [sparse_from_pb(d) for d in msg.draft_probs])
+    proposal = DraftProposal(tokens, [sparse_from_pb(d) for d in msg.draft_probs])
+    check_draft_probs(proposal, support_bound)
+    return proposal
 
 
 def verdict_fields(verdict: Verdict) -> dict:

@@ -1,22 +1,45 @@
-"""TLS / mutual TLS for every hop, and API keys at the gateway.
+"""TLS / mutual TLS for every hop, API keys at the gateway, service tokens inside.
 
 One identity per service: its certificate and key serve its port and, for the gateway, identify
 it to drafters and verifiers; one CA verifies peers. With ``client_auth`` a server refuses
 clients without a certificate signed by the CA (mTLS). Paths come from flags or the
 ``SPECDEC_TLS_CERT`` / ``SPECDEC_TLS_KEY`` / ``SPECDEC_TLS_CA`` environment variables.
+
+Clients authenticate to the gateway with API keys. Drafters and verifiers take calls only from a
+gateway, which proves itself with credentials of its own, never a client's API key:
+
+- a service token in the ``x-specdec-service-token`` metadata header (``--service-token-file``,
+  ``SPECDEC_SERVICE_TOKEN_FILE``, ``SPECDEC_SERVICE_TOKEN``; several accepted at once for
+  rotation, the first is the one a gateway presents), compared in constant time; refused with
+  UNAUTHENTICATED;
+- with mTLS, an allow-list of peer identities (``--tls-allowed-peers``, matched against the
+  client certificate's subject alternative names and common name), so that a certificate from
+  the same CA that is not a gateway's is refused with PERMISSION_DENIED.
+
+Health and reflection stay open (probes, grpcurl ``list``).
 """
 
 from __future__ import annotations
 
 import hmac
+import inspect
+import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
+log = logging.getLogger("specdec.security")
+
 # Calls that must work without credentials: probes and discovery of the API.
 UNAUTHENTICATED_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+SERVICE_TOKEN_HEADER = "x-specdec-service-token"
+MIN_SERVICE_TOKEN_LENGTH = 16
+# auth_context() entries that name the peer's certificate (never ssl_requested_server_name: that
+# is the name the client asked for, not who it is).
+PEER_IDENTITY_KEYS = ("x509_subject_alternative_name", "x509_common_name", "peer_dns", "peer_spiffe_id")
 
 
 @dataclass(frozen=True)
@@ -94,6 +117,47 @@ def key_is_valid(presented: bytes | None, keys: list[bytes]) -> bool:
     return matched
 
 
+def load_service_tokens(path: str | None = None) -> list[bytes]:
+    """Service tokens from a file (one per line, ``#`` comments; the flag's path or
+    ``SPECDEC_SERVICE_TOKEN_FILE``) and ``SPECDEC_SERVICE_TOKEN`` (comma-separated), in that order.
+    The first is the one a gateway presents; drafters and verifiers accept any. [] = none set."""
+    tokens: list[str] = []
+    path = path or os.environ.get("SPECDEC_SERVICE_TOKEN_FILE")
+    if path:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise SystemExit(f"cannot read the service token file {path}: {exc}") from exc
+        tokens += [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+        if not tokens:
+            raise SystemExit(f"the service token file {path} holds no token")
+    tokens += [t.strip() for t in os.environ.get("SPECDEC_SERVICE_TOKEN", "").split(",") if t.strip()]
+    for token in tokens:
+        if len(token) < MIN_SERVICE_TOKEN_LENGTH or not token.isascii() or not token.isprintable() or " " in token:
+            raise SystemExit(f"a service token must be at least {MIN_SERVICE_TOKEN_LENGTH} printable ASCII characters "
+                             "without spaces; generate one with: python3 -c 'import secrets; print(secrets.token_urlsafe(32))'")
+    return [t.encode() for t in tokens]
+
+
+def parse_allowed_peers(values=None) -> tuple[str, ...]:
+    """Peer identities from ``--tls-allowed-peers`` (repeatable, comma-separated) or, when none are
+    given, ``SPECDEC_TLS_ALLOWED_PEERS``."""
+    values = list(values or []) or [os.environ.get("SPECDEC_TLS_ALLOWED_PEERS", "")]
+    return tuple(name.strip() for value in values for name in value.split(",") if name.strip())
+
+
+def presented_service_token(metadata) -> bytes | None:
+    for key, value in metadata or ():
+        if key == SERVICE_TOKEN_HEADER:
+            return (value if isinstance(value, bytes) else value.strip().encode())
+    return None
+
+
+def peer_identities(auth_context: dict) -> set[str]:
+    """The names a TLS peer's certificate carries (SANs, common name); empty without a certificate."""
+    return {value.decode(errors="replace") for key in PEER_IDENTITY_KEYS for value in auth_context.get(key, ())}
+
+
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls without a valid API key with UNAUTHENTICATED (health and reflection stay open)."""
 
@@ -107,20 +171,191 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         return _deny_handler(await continuation(handler_call_details))
 
 
-def _deny_handler(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+class ServiceAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Drafters and verifiers: refuse calls that are not from a gateway.
+
+    ``tokens``: a call must carry one in ``x-specdec-service-token`` (UNAUTHENTICATED otherwise).
+    ``allowed_peers``: the client certificate (mTLS) must name one of these in its subject
+    alternative names or common name (PERMISSION_DENIED otherwise). Health and reflection stay open.
+    """
+
+    def __init__(self, tokens: list[bytes] | tuple[bytes, ...] = (), allowed_peers: tuple[str, ...] = ()) -> None:
+        self.tokens = list(tokens)
+        self.allowed_peers = frozenset(allowed_peers)
+        self._refusals = _RefusalLog()
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method.startswith(UNAUTHENTICATED_METHODS):
+            return handler
+        if self.tokens and not key_is_valid(presented_service_token(handler_call_details.invocation_metadata), self.tokens):
+            return _deny_handler(handler, grpc.StatusCode.UNAUTHENTICATED,
+                                 f"missing or invalid service token ({SERVICE_TOKEN_HEADER}): this service takes "
+                                 "calls from a specdec gateway only", self._refusals, method)
+        if self.allowed_peers:
+            return _with_peer_check(handler, self.allowed_peers, self._refusals, method)
+        return handler
+
+
+class _RefusalLog:
+    """One WARNING per refused caller and reason per minute (a scanner must not flood the log)."""
+
+    def __init__(self, every_s: float = 60.0) -> None:
+        self.every_s = every_s
+        self._last: dict[tuple[str, str], float] = {}
+
+    def note(self, context, method: str, reason: str) -> None:
+        host = context.peer().rsplit(":", 1)[0]
+        now = time.monotonic()
+        if now - self._last.get((host, reason), -self.every_s) >= self.every_s:
+            if len(self._last) > 1024:
+                self._last.clear()
+            self._last[(host, reason)] = now
+            log.warning("refused %s from %s: %s", method, context.peer(), reason)
+
+
+def _with_peer_check(handler: grpc.RpcMethodHandler, allowed: frozenset[str], refusals: _RefusalLog,
+                     method: str) -> grpc.RpcMethodHandler:
+    """``handler`` run only for peers whose certificate names one of ``allowed`` (the auth context
+    exists only inside a call, so the check wraps the handler rather than deciding up front)."""
+
+    async def check(context) -> None:
+        names = peer_identities(context.auth_context())
+        if names & allowed:
+            return
+        shown = ", ".join(sorted(names)) or "no client certificate"
+        reason = f"peer ({shown}) is not an allowed caller ({', '.join(sorted(allowed))})"
+        refusals.note(context, method, reason)
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{reason}: this service takes calls from a specdec gateway only")
+
+    def wrap(behavior, response_streaming: bool):
+        if response_streaming and inspect.isasyncgenfunction(behavior):
+            async def guarded_stream(request, context):
+                await check(context)
+                async for response in behavior(request, context):
+                    yield response
+
+            return guarded_stream
+
+        async def guarded(request, context):
+            await check(context)
+            return await behavior(request, context)
+
+        return guarded
+
+    serdes = (handler.request_deserializer, handler.response_serializer)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary, False), *serdes)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream, True), *serdes)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary, False), *serdes)
+    return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream, True), *serdes)
+
+
+def _deny_handler(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED,
+                  message: str = "missing or invalid API key", refusals: "_RefusalLog | None" = None,
+                  method: str = "") -> grpc.RpcMethodHandler:
     async def deny(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key")
+        if refusals is not None:
+            refusals.note(context, method, message.split(":")[0])
+        await context.abort(code, message)
 
     async def deny_stream(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key")
+        await deny(request, context)
         yield  # pragma: no cover - abort raises
 
+    # No request deserializer: a refused call's request is never parsed (a caller without
+    # credentials costs no parsing, and bytes that do not parse cannot turn the refusal into UNKNOWN).
     if handler is not None and handler.response_streaming:
         if handler.request_streaming:
-            return grpc.stream_stream_rpc_method_handler(deny_stream, handler.request_deserializer, handler.response_serializer)
-        return grpc.unary_stream_rpc_method_handler(deny_stream, handler.request_deserializer, handler.response_serializer)
+            return grpc.stream_stream_rpc_method_handler(deny_stream, None, handler.response_serializer)
+        return grpc.unary_stream_rpc_method_handler(deny_stream, None, handler.response_serializer)
     if handler is not None and handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
-    return grpc.unary_unary_rpc_method_handler(
-        deny, handler.request_deserializer if handler else None, handler.response_serializer if handler else None
-    )
+        return grpc.stream_unary_rpc_method_handler(deny, None, handler.response_serializer)
+    return grpc.unary_unary_rpc_method_handler(deny, None, handler.response_serializer if handler else None)
+
+
+def with_service_token(channel: grpc.aio.Channel, token: str | bytes | None) -> grpc.aio.Channel:
+    """``channel`` with ``x-specdec-service-token: token`` added to every call made on it (a stub
+    built on it cannot forget the token). None: the channel as is."""
+    if not token:
+        return channel
+    return _MetadataChannel(channel, ((SERVICE_TOKEN_HEADER, token.decode() if isinstance(token, bytes) else token),))
+
+
+def _with_metadata(metadata, extra: tuple[tuple[str, str], ...]):
+    names = {key for key, _ in extra}
+    if metadata is None:
+        return extra
+    if isinstance(metadata, grpc.aio.Metadata):
+        merged = grpc.aio.Metadata(*((k, v) for k, v in metadata if k not in names))
+        for key, value in extra:
+            merged.add(key, value)
+        return merged
+    return tuple((k, v) for k, v in metadata if k not in names) + extra
+
+
+class _MetadataMultiCallable:
+    """A multicallable that adds fixed metadata to each call and is otherwise the original (the
+    call objects are grpc's own: no interceptor task or request queue in the streams' path)."""
+
+    def __init__(self, inner, extra: tuple[tuple[str, str], ...], metadata_position: int) -> None:
+        self._inner = inner
+        self._extra = extra
+        self._position = metadata_position  # where metadata sits among positional arguments
+
+    def __call__(self, *args, **kwargs):
+        if len(args) > self._position:
+            args = (*args[:self._position], _with_metadata(args[self._position], self._extra), *args[self._position + 1:])
+        else:
+            kwargs["metadata"] = _with_metadata(kwargs.get("metadata"), self._extra)
+        return self._inner(*args, **kwargs)
+
+
+class _MetadataChannel(grpc.aio.Channel):
+    """A grpc.aio channel whose calls all carry ``extra`` metadata.
+
+    Not a client interceptor on purpose: grpc.aio's intercepted stream calls feed ``write()``
+    through a queue and a task of their own and report a write on a finished stream as
+    InvalidStateError instead of the RPC's error, which would change what the gateway's links
+    see on their hot path. Here the calls are grpc's own.
+    """
+
+    def __init__(self, channel: grpc.aio.Channel, extra: tuple[tuple[str, str], ...]) -> None:
+        self._channel = channel
+        self._extra = extra
+
+    # unary requests: (request, *, timeout, metadata, ...): metadata only by keyword;
+    # streamed requests: (request_iterator, timeout, metadata, ...): third positionally.
+    def unary_unary(self, *args, **kwargs):
+        return _MetadataMultiCallable(self._channel.unary_unary(*args, **kwargs), self._extra, 1)
+
+    def unary_stream(self, *args, **kwargs):
+        return _MetadataMultiCallable(self._channel.unary_stream(*args, **kwargs), self._extra, 1)
+
+    def stream_unary(self, *args, **kwargs):
+        return _MetadataMultiCallable(self._channel.stream_unary(*args, **kwargs), self._extra, 2)
+
+    def stream_stream(self, *args, **kwargs):
+        return _MetadataMultiCallable(self._channel.stream_stream(*args, **kwargs), self._extra, 2)
+
+    async def __aenter__(self):
+        await self._channel.__aenter__()
+        return self
+
+    async def __aexit__(self, exc_type, exc_val, exc_tb):
+        return await self._channel.__aexit__(exc_type, exc_val, exc_tb)
+
+    async def close(self, grace: float | None = None):
+        return await self._channel.close(grace)
+
+    def get_state(self, try_to_connect: bool = False):
+        return self._channel.get_state(try_to_connect)
+
+    async def wait_for_state_change(self, last_observed_state):
+        return await self._channel.wait_for_state_change(last_observed_state)
+
+    async def channel_ready(self) -> None:
+        return await self._channel.channel_ready()

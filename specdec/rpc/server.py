@@ -1,7 +1,9 @@
 """Serving plumbing shared by the drafter, verifier and gateway.
 
-grpc.aio server with grpc.health.v1 (NOT_SERVING until the model is loaded and warmed),
-reflection, a message-size limit, Prometheus metrics on their own HTTP port, error mapping in
+grpc.aio server with grpc.health.v1 (NOT_SERVING until the model is loaded and warmed; also on a
+plaintext health-only port where the main one is TLS, for Kubernetes' grpc probes),
+reflection, a message-size limit, the callers' credentials (API keys, service tokens, allowed TLS
+peers: ``specdec.rpc.security``), Prometheus metrics on their own HTTP port, error mapping in
 one place, and a graceful drain on SIGTERM/SIGINT: NOT_SERVING first, then ``server.stop(grace)``
 lets in-flight streams finish.
 """
@@ -20,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
-from specdec.rpc.security import ApiKeyInterceptor, TLSConfig
+from specdec.rpc.security import ApiKeyInterceptor, ServiceAuthInterceptor, TLSConfig, with_service_token
 
 log = logging.getLogger(__name__)
 
@@ -59,22 +61,29 @@ async def idle_guard(request_iterator, idle_timeout_s: float | None, cancelled: 
     """
     iterator = request_iterator.__aiter__()
     stop = asyncio.ensure_future(cancelled.wait())
+    following: asyncio.Future | None = None
     try:
         while True:
             following = asyncio.ensure_future(iterator.__anext__())
             done, _ = await asyncio.wait({following, stop}, timeout=idle_timeout_s,
                                          return_when=asyncio.FIRST_COMPLETED)
             if following not in done:
-                following.cancel()
                 if stop in done:
                     raise SessionCancelled("session cancelled")
                 raise SessionIdle(f"session idle for more than {idle_timeout_s:g}s; state freed")
             try:
-                yield following.result()
+                request = following.result()
             except StopAsyncIteration:
                 return
+            yield request
     finally:
         stop.cancel()
+        # The stream may end (cancelled RPC, idle, out-of-band cancel, the handler's error) while a read
+        # is pending: cancel it, and retrieve its outcome whenever it settles, so that its exception
+        # (StopAsyncIteration, the RPC's cancellation) is never reported as "never retrieved".
+        if following is not None:
+            following.cancel()
+            following.add_done_callback(lambda read: read.cancelled() or read.exception())
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
@@ -90,9 +99,20 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.DEADLINE_EXCEEDED
     if isinstance(exc, SessionCancelled):
         return grpc.StatusCode.CANCELLED
-    if isinstance(exc, grpc.aio.AioRpcError):  # a downstream failure: pass its code on
-        return exc.code()
+    if isinstance(exc, grpc.aio.AioRpcError):  # a downstream failure
+        code = exc.code()
+        # What says something about the request (or its deadline) passes on; a peer that failed,
+        # vanished or refused us (UNAUTHENTICATED there is our credential, not the client's) is
+        # the service being unavailable, never INTERNAL (that is for bugs here).
+        return code if code in _PASSED_ON else grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, ConnectionError):  # a peer's stream or connection was lost
+        return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
+
+
+_PASSED_ON = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION,
+                        grpc.StatusCode.OUT_OF_RANGE})
 
 
 def _error_message(exc: BaseException) -> str:
@@ -103,7 +123,7 @@ def _error_message(exc: BaseException) -> str:
 
 async def _abort_with_status(exc: Exception, context, handler_name: str) -> None:
     code = status_for(exc)
-    if code == grpc.StatusCode.INTERNAL:
+    if code == grpc.StatusCode.INTERNAL:  # a bug here: the traceback is what fixes it
         log.exception("internal error in %s", handler_name)
     await context.abort(code, _error_message(exc))
 
@@ -151,6 +171,15 @@ class ServeOptions:
     grace_s: float = 30.0
     tls: "TLSConfig | None" = None  # serve TLS (and require client certificates with client_auth)
     api_keys: tuple[bytes, ...] = ()  # gateway only: UNAUTHENTICATED without one of these
+    # Drafter/verifier: calls must carry one of these in x-specdec-service-token (UNAUTHENTICATED
+    # otherwise); () = open (the CLI warns).
+    service_tokens: tuple[bytes, ...] = ()
+    # With mTLS: the client certificate must name one of these (SAN or CN; PERMISSION_DENIED otherwise).
+    allowed_peers: tuple[str, ...] = ()
+    # Gateway: the token it presents on every call to drafters and verifiers (open_channel adds it).
+    outbound_service_token: str | None = None
+    # A plaintext port serving grpc.health.v1 only (Kubernetes' grpc probes cannot speak TLS).
+    health_port: int | None = None
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -161,11 +190,22 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
 
 
 def open_channel(address: str, tls: TLSConfig | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
-    """An aio channel to another specdec service: TLS (presenting our certificate) when configured."""
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, *, service_token: str | None = None,
+                 server_name: str | None = None) -> grpc.aio.Channel:
+    """An aio channel to another specdec service: TLS (presenting our certificate) when configured,
+    and ``service_token`` on every call made on it.
+
+    ``server_name``: the name the server's certificate must carry when ``address`` is not it (a
+    pod IP from discovery: the Service's DNS name instead).
+    """
+    options = channel_options(max_message_bytes)
     if tls is not None and tls.secures_channels:
-        return grpc.aio.secure_channel(address, tls.channel_credentials(), options=channel_options(max_message_bytes))
-    return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+        if server_name:
+            options.append(("grpc.ssl_target_name_override", server_name))
+        channel = grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
+    else:
+        channel = grpc.aio.insecure_channel(address, options=options)
+    return with_service_token(channel, service_token)
 
 
 class ServiceRuntime:
@@ -174,13 +214,19 @@ class ServiceRuntime:
     def __init__(self, service_name: str, options: ServeOptions) -> None:
         self.service_name = service_name  # fully qualified, e.g. "specdec.v1.Verifier"
         self.options = options
-        interceptors = [ApiKeyInterceptor(list(options.api_keys))] if options.api_keys else []
+        interceptors = []
+        if options.api_keys:
+            interceptors.append(ApiKeyInterceptor(list(options.api_keys)))
+        if options.service_tokens or options.allowed_peers:
+            interceptors.append(ServiceAuthInterceptor(options.service_tokens, options.allowed_peers))
         # No SO_REUSEPORT (gRPC's default on Linux): a second server on a taken port would otherwise
         # bind silently and the kernel would split connections between the two.
         self.server = grpc.aio.server(options=[*channel_options(options.max_message_bytes), ("grpc.so_reuseport", 0)],
                                       interceptors=interceptors)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.health_server: grpc.aio.Server | None = None
+        self.health_port: int | None = None
         self.registry = CollectorRegistry()
         self.port = 0
         self.metrics_port: int | None = None
@@ -204,12 +250,27 @@ class ServiceRuntime:
         if not self.port:
             raise SystemExit(cannot_listen)
         await self.server.start()
+        if self.options.health_port is not None:
+            await self._start_health_server()
         await self.set_serving(False)
         await _maybe_await(self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING))
         if self.options.metrics_port is not None:
             http_server, _ = start_http_server(self.options.metrics_port, addr=self.options.host, registry=self.registry)
             self.metrics_port = http_server.server_port
         return self.port
+
+    async def _start_health_server(self) -> None:
+        """grpc.health.v1 alone on a plaintext port (the same servicer: the same statuses)."""
+        self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+        address = f"{self.options.host}:{self.options.health_port}"
+        try:
+            self.health_port = self.health_server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise SystemExit(f"{self.service_name}: cannot listen on {address} for health (in use?): {exc}") from exc
+        if not self.health_port:
+            raise SystemExit(f"{self.service_name}: cannot listen on {address} for health (in use?)")
+        await self.health_server.start()
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -233,6 +294,8 @@ class ServiceRuntime:
         log.info("%s draining (grace %.1fs)", self.service_name, self.options.grace_s)
         await self.set_serving(False)
         await self.server.stop(self.options.grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
 
 
 async def _maybe_await(value):

@@ -11,34 +11,75 @@ from specdec.rpc.server import Overloaded, SessionNotFound
 from specdec.telemetry import ServiceMetrics
 
 
-class SessionRegistry:
-    """Live sessions of one service, at most ``max_sessions`` at once."""
+MAX_SESSION_ID_CHARS = 128  # a session id is a request id or a minted token, never a payload
 
-    def __init__(self, max_sessions: int, metrics: ServiceMetrics, release=None) -> None:
+
+def validate_session_id(session_id: str) -> None:
+    """``ValueError`` naming ``session_id`` when it is longer than ``MAX_SESSION_ID_CHARS``."""
+    if len(session_id) > MAX_SESSION_ID_CHARS:
+        raise ValueError(f"session_id: {len(session_id)} characters exceed the limit of {MAX_SESSION_ID_CHARS}")
+
+
+def peer_host(peer: str) -> str:
+    """The client host of a gRPC ``context.peer()`` string: ``ipv4:10.0.0.7:51234`` -> ``ipv4:10.0.0.7``,
+    ``ipv6:[::1]:51234`` (or its percent-encoded form) -> ``ipv6:[::1]``. Other transports (``unix:``)
+    are kept whole: they name no port."""
+    scheme, _, rest = peer.partition(":")
+    if scheme in ("ipv4", "ipv6") and ":" in rest:
+        return f"{scheme}:{rest.rpartition(':')[0]}"
+    return peer
+
+
+class SessionRegistry:
+    """Live sessions of one service, at most ``max_sessions`` at once and at most
+    ``max_sessions_per_peer`` per client host (so one client cannot take every session).
+
+    Each session remembers the ``context.peer()`` of the stream that opened it (the full string:
+    host and source port, i.e. that connection): ``cancel()`` acts only on sessions the caller opened,
+    and answers another caller exactly as for an unknown session (nothing is revealed, nothing ends).
+    """
+
+    def __init__(self, max_sessions: int, metrics: ServiceMetrics, release=None,
+                 max_sessions_per_peer: int | None = None) -> None:
         self.max_sessions = max_sessions
+        self.max_sessions_per_peer = max_sessions if max_sessions_per_peer is None else max_sessions_per_peer
         self.metrics = metrics
         self.release = release or (lambda session: session.close())  # frees a closed session's state
         self._sessions: dict[str, object] = {}
         self._cancel_events: dict[str, asyncio.Event] = {}
+        self._owners: dict[str, str] = {}  # key -> the opener's full peer string
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def open(self, session_id: str, session: object, cancelled: asyncio.Event | None = None) -> str:
-        """Register a session; returns the key to close it with. ``cancel()`` sets ``cancelled``."""
+    def held_by(self, host: str) -> int:
+        """Sessions open from client host ``host`` (a ``peer_host``)."""
+        return sum(1 for owner in self._owners.values() if peer_host(owner) == host)
+
+    def open(self, session_id: str, session: object, cancelled: asyncio.Event | None = None, peer: str = "") -> str:
+        """Register a session opened by ``peer`` (``context.peer()``); returns the key to close it
+        with. ``cancel()`` (by the same peer) sets ``cancelled``."""
+        validate_session_id(session_id)
         if len(self._sessions) >= self.max_sessions:
             raise Overloaded(f"session limit reached ({self.max_sessions})")
+        if self.held_by(peer_host(peer)) >= self.max_sessions_per_peer:
+            raise Overloaded(f"session limit per client reached ({self.max_sessions_per_peer} of "
+                             f"{self.max_sessions}; --max-sessions-per-peer)")
         key = session_id if session_id and session_id not in self._sessions else f"{session_id}#{uuid.uuid4().hex[:8]}"
         self._sessions[key] = session
+        self._owners[key] = peer
         if cancelled is not None:
             self._cancel_events[key] = cancelled
         self.metrics.active_sessions.set(len(self._sessions))
         self.metrics.requests.inc()
         return key
 
-    def cancel(self, session_id: str) -> None:
-        """End the streams serving ``session_id`` (their ``finally`` frees the state)."""
-        keys = [k for k in self._cancel_events if k == session_id or k.startswith(f"{session_id}#")]
+    def cancel(self, session_id: str, peer: str = "") -> None:
+        """End the streams serving ``session_id`` that ``peer`` opened (their ``finally`` frees the
+        state). ``SessionNotFound`` when there is none: unknown, finished, or another peer's."""
+        validate_session_id(session_id)
+        keys = [k for k in self._cancel_events
+                if (k == session_id or k.startswith(f"{session_id}#")) and self._owners.get(k) == peer]
         if not session_id or not keys:
             raise SessionNotFound(f"session_id: no live session {session_id!r}")
         for key in keys:
@@ -46,6 +87,7 @@ class SessionRegistry:
 
     def close(self, key: str) -> None:
         self._cancel_events.pop(key, None)
+        self._owners.pop(key, None)
         session = self._sessions.pop(key, None)
         if session is not None and hasattr(session, "close"):
             self.release(session)
@@ -61,7 +103,8 @@ class ModelWorkerService:
     role = "service"
 
     def __init__(self, runtime, max_sessions: int = 64, max_draft_tokens: int = 32,
-                 idle_timeout_s: float | None = 300.0, batching: BatchingOptions | None = None) -> None:
+                 idle_timeout_s: float | None = 300.0, batching: BatchingOptions | None = None,
+                 max_sessions_per_peer: int | None = None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self.runtime = runtime
@@ -72,7 +115,8 @@ class ModelWorkerService:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-model")
         # A session's KV cache is freed on the model thread, after any pass that is using it.
         self.sessions = SessionRegistry(max_sessions, self.metrics,
-                                        release=lambda session: self.executor.submit(session.close))
+                                        release=lambda session: self.executor.submit(session.close),
+                                        max_sessions_per_peer=max_sessions_per_peer)
         self.batching = batching or BatchingOptions()
         self.batcher = BatchScheduler(self._run_batch, self.executor, self.batching,
                                       on_pass=self._observe_pass, expected=lambda: len(self.sessions))
