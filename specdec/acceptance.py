@@ -17,10 +17,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from specdec.sampling import SparseDistribution
+from specdec.sampling import DRAW_ACCEPT, DRAW_TOKEN, SparseDistribution, inverse_cdf
+
+
+class Draws(Protocol):
+    """The randomness of one block position: ``uniform(i)`` is its draw i, a U[0, 1) double that
+    depends on nothing but the position's key (``specdec.randomness.DrawKey``)."""
+
+    def uniform(self, draw: int = 0) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -80,31 +88,34 @@ def accept_speculative(
     target_probs: torch.Tensor,
     draft_tokens: Sequence[int],
     draft_probs: Sequence[SparseDistribution],
-    generators: Sequence[torch.Generator],
+    draws: Sequence[Draws],
 ) -> AcceptanceResult:
     """Speculative sampling over one block.
 
     ``target_probs``: [k+1, V] fp32, the request's final target distributions (temperature,
     top-k, top-p applied) after the prefix and after each draft. ``draft_probs[i]`` is exactly the
     distribution x_i was drawn from (a sparse support; ids outside it have q = 0).
-    ``generators[i]`` supplies the randomness at block position i (k+1 of them).
+    ``draws[i]`` supplies the randomness at block position i (k+1 of them): the verifier's keys
+    (seed, absolute position, STREAM_VERIFY).
 
-    Draft i is accepted iff u < p_i(x_i) / q_i(x_i) with u ~ U[0, 1): strict, so u = 0 never
-    accepts a token the target forbids, and q_i(x_i) <= 0 always rejects.
+    Draft i is accepted iff r < p_i(x_i) / q_i(x_i) with r = draws[i].uniform(DRAW_ACCEPT) in [0, 1):
+    strict, so r = 0 never accepts a token the target forbids, and q_i(x_i) <= 0 always rejects.
+    The recovered token (from the residual) or the bonus token (from p_{k+1}) is picked by inverse
+    CDF with the position's other draw, DRAW_TOKEN: independent of r, one uniform per token.
     """
     k = len(draft_tokens)
-    if target_probs.shape[0] != k + 1 or len(draft_probs) != k or len(generators) != k + 1:
-        raise ValueError("need k+1 target rows and generators and k draft distributions")
+    if target_probs.shape[0] != k + 1 or len(draft_probs) != k or len(draws) != k + 1:
+        raise ValueError("need k+1 target rows and draw keys and k draft distributions")
     vocab_size = target_probs.shape[-1]
     p = target_probs.float()
     for i, token in enumerate(draft_tokens):
-        u = float(torch.rand((), generator=generators[i]))
+        r = draws[i].uniform(DRAW_ACCEPT)
         q_token = draft_probs[i].prob_of(token)
         p_token = float(p[i, token]) if 0 <= token < vocab_size else 0.0
-        if q_token > 0.0 and u * q_token < p_token:  # u < p/q without dividing
+        if q_token > 0.0 and r * q_token < p_token:  # r < p/q without dividing
             continue
         residual = residual_distribution(p[i], draft_probs[i].to_dense(vocab_size))
-        recovered = int(torch.multinomial(residual, 1, generator=generators[i]))
+        recovered = inverse_cdf(residual, draws[i].uniform(DRAW_TOKEN))
         return AcceptanceResult(i, k, [int(t) for t in draft_tokens[:i]] + [recovered])
-    bonus = int(torch.multinomial(p[k], 1, generator=generators[k]))
+    bonus = inverse_cdf(p[k], draws[k].uniform(DRAW_TOKEN))
     return AcceptanceResult(k, k, [int(t) for t in draft_tokens] + [bonus])

@@ -13,12 +13,13 @@ from collections.abc import Callable
 from specdec.kv import KVSession
 from specdec.lm import LoadedModel
 from specdec.ragged import ForwardRow, batched_forward
+from specdec.randomness import uniform
 from specdec.sampling import (
+    DRAW_TOKEN,
     STREAM_DRAFT,
     DraftProposal,
     SamplingParams,
     greedy_tokens,
-    keyed_generator,
     process_logits,
     truncate_top_k,
 )
@@ -102,8 +103,8 @@ class ModelDraftSession(DraftSession):
             return
         # Sample from the processed, top-K-truncated draft distribution and report exactly it.
         q = truncate_top_k(process_logits(logits, self.params, self.lm.vocab_size)[0], self.params.draft_top_k)
-        generator = keyed_generator(self.params.resolved_seed(), len(self.tokens) + len(drafts), STREAM_DRAFT)
-        drafts.append(q.sample(generator))
+        u = uniform(self.params.resolved_seed(), len(self.tokens) + len(drafts), STREAM_DRAFT, DRAW_TOKEN)
+        drafts.append(q.sample(u))
         probs.append(q)
 
     def close(self) -> None:

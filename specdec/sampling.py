@@ -1,7 +1,7 @@
 """Sampling parameters, logits processing and the sparse draft distributions sent on the wire.
 
-Everything here computes in fp32: probabilities in fp16 lose the small masses that the
-acceptance ratio p/q depends on.
+Everything here computes in fp32 (the inverse CDF's running sums in fp64): probabilities in fp16
+lose the small masses that the acceptance ratio p/q depends on.
 """
 
 from __future__ import annotations
@@ -10,13 +10,23 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from specdec.randomness import DrawKey, position_keys  # noqa: F401  (re-exported for callers)
 
 DEFAULT_DRAFT_TOP_K = 64
 
 # Independent random streams per position: draft sampling and verification never share draws.
+# A draw is keyed by (request seed, absolute position, stream, draw index) (specdec.randomness).
 STREAM_DRAFT = 1
 STREAM_VERIFY = 2
+
+# Draw indices inside one (seed, position, stream) key. The verifier's acceptance test and its
+# resampling (recovered or bonus token) at a position use different draws, so they are independent;
+# a draft token is drawn with DRAW_TOKEN of STREAM_DRAFT, independent of both.
+DRAW_ACCEPT = 0  # the acceptance test's r: accept x iff r * q(x) < p(x)
+DRAW_TOKEN = 1  # the single uniform that picks a token by inverse CDF
 
 
 # Temperatures below this sample greedily (as vLLM's sampling epsilon): a smaller T would turn
@@ -109,6 +119,44 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, vocab_size: int
     return logits.softmax(dim=-1)
 
 
+def inverse_cdf(weights: torch.Tensor, u: float) -> int:
+    """The index that one uniform ``u`` in [0, 1) picks from ``weights`` (a 1-D distribution, or
+    unnormalised weights such as a residual): index i with probability weights[i] / sum(weights).
+
+    Inverse CDF: the first index whose running sum exceeds ``u * total``. The running sum is fp64 over
+    the (fp32) weights, so each index's share of [0, total) is its weight up to fp64 rounding (~1e-16
+    relative; the uniform itself has 53 bits). A weight of exactly 0 leaves the running sum unchanged,
+    so its index can never be the first to exceed: zero-probability tokens are never drawn. For
+    u < 1 the rounded product ``u * total`` stays below the total, so some index always exceeds it.
+    Weights must be finite and >= 0 with a positive sum (``ValueError`` otherwise). One uniform per
+    token, whatever the vocabulary size (``torch.multinomial`` draws V of them).
+    """
+    if not 0.0 <= u < 1.0:
+        raise ValueError(f"u must be in [0, 1), got {u!r}")
+    flat = weights.detach().reshape(-1)
+    if flat.dtype not in (torch.float16, torch.float32, torch.float64):
+        flat = flat.float()  # bf16 and the like: fp32 holds them exactly
+    # On this thread: numpy casts to fp64, torch's CPU cumsum of one row is one sequential pass (the
+    # running sum never decreases and adding 0 leaves it unchanged). A torch cast of V elements would
+    # wake the intra-op thread pool: milliseconds per token on a busy host, for microseconds of work.
+    w = torch.from_numpy(flat.cpu().numpy().astype(np.float64))
+    n = w.numel()
+    if n == 0:
+        raise ValueError("cannot sample from an empty distribution")
+    cdf = torch.cumsum(w, 0)
+    total = float(cdf[-1])
+    if not (math.isfinite(total) and total > 0.0):
+        raise ValueError(f"cannot sample: weights sum to {total}")
+    index = int(torch.searchsorted(cdf, u * total, right=True))
+    if index >= n or not float(w[index]) > 0.0:
+        # Unreachable with a sequential running sum (see above); kept so that a summation that
+        # rounds differently still never returns a zero-weight index: the next positive one.
+        positive = (w > 0).nonzero().flatten()
+        later = positive[positive >= index]
+        index = int(later[0]) if later.numel() else int(positive[-1])
+    return index
+
+
 @dataclass(frozen=True)
 class SparseDistribution:
     """A distribution given by its support: ``probs[i]`` is the probability of ``token_ids[i]``.
@@ -135,9 +183,9 @@ class SparseDistribution:
         dense[self.token_ids[keep]] = self.probs[keep].float()
         return dense
 
-    def sample(self, generator: torch.Generator) -> int:
-        index = torch.multinomial(self.probs, 1, generator=generator)
-        return int(self.token_ids[index])
+    def sample(self, u: float) -> int:
+        """The id that the uniform ``u`` in [0, 1) picks by inverse CDF (never an id with q = 0)."""
+        return int(self.token_ids[inverse_cdf(self.probs, u)])
 
 
 def truncate_top_k(probs: torch.Tensor, k: int) -> SparseDistribution:
@@ -151,33 +199,6 @@ def truncate_top_k(probs: torch.Tensor, k: int) -> SparseDistribution:
     keep = top.values > 0
     values, ids = top.values[keep], top.indices[keep]
     return SparseDistribution(ids.long(), values / values.sum())
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def keyed_generator(seed: int, position: int, stream: int) -> torch.Generator:
-    """A generator keyed by (request seed, absolute token position, stream).
-
-    Keying draws by position rather than consuming one sequential stream keeps a seeded request
-    reproducible whatever else runs beside it, and makes discarded work (rejected or
-    drafted-ahead tokens) unable to shift later draws.
-    """
-    key = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ position) ^ stream)
-    generator = torch.Generator()
-    generator.manual_seed(key & ((1 << 63) - 1))
-    return generator
-
-
-def position_generators(seed: int, start: int, count: int, stream: int) -> list[torch.Generator]:
-    return [keyed_generator(seed, start + i, stream) for i in range(count)]
 
 
 @dataclass

@@ -14,7 +14,7 @@ from specdec.sampling import (
     DraftProposal,
     SamplingParams,
     greedy_tokens,
-    position_generators,
+    position_keys,
     process_logits,
 )
 
@@ -75,11 +75,9 @@ class TargetSession:
             result = accept_greedy(argmax, drafts)
         else:
             p = process_logits(logits, self.params, self.target.vocab_size)
-            generators = position_generators(
-                self.params.resolved_seed(), len(self.tokens), k + 1, STREAM_VERIFY
-            )
+            draws = position_keys(self.params.resolved_seed(), len(self.tokens), k + 1, STREAM_VERIFY)
             q = [proposal.q(i) for i in range(k)]
-            result = accept_speculative(p, drafts, q, generators)
+            result = accept_speculative(p, drafts, q, draws)
         self.tokens.extend(result.tokens)
         return Verdict.from_acceptance(result, len(self.tokens))
 

@@ -7,14 +7,17 @@ import math
 import pytest
 import torch
 
-from specdec import acceptance
 from specdec.acceptance import accept_greedy, accept_speculative, residual_distribution
+from specdec.randomness import DrawKey, position_keys, uniform
 from specdec.sampling import (
+    DRAW_ACCEPT,
+    DRAW_TOKEN,
+    STREAM_DRAFT,
+    STREAM_VERIFY,
     DraftProposal,
     SamplingParams,
     SparseDistribution,
     greedy_tokens,
-    keyed_generator,
     mask_beyond_vocab,
     process_logits,
     truncate_top_k,
@@ -23,8 +26,9 @@ from specdec.sampling import (
 V = 10
 
 
-def gens(seed: int, n: int) -> list[torch.Generator]:
-    return [torch.Generator().manual_seed(seed * 1000 + i) for i in range(n)]
+def gens(seed: int, n: int) -> list[DrawKey]:
+    """The verifier's draw keys for a block of n positions (request seed ``seed``)."""
+    return position_keys(seed, 0, n, STREAM_VERIFY)
 
 
 def one_hot_rows(ids: list[int], vocab: int = V) -> torch.Tensor:
@@ -203,31 +207,45 @@ def test_draft_with_zero_q_always_rejects():
             assert result.tokens == [4]  # the residual is p (q has no mass on 4)
 
 
-def test_forbidden_token_never_accepted_even_with_u_zero(monkeypatch):
+class ZeroDraws:
+    """A position whose every draw is exactly 0.0 (the smallest uniform there is)."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def uniform(self, draw: int = 0) -> float:
+        self.calls.append(draw)
+        return 0.0
+
+
+def test_forbidden_token_never_accepted_even_with_u_zero():
     """SGLang #35771: u = 0 with an inclusive compare accepts a token the target forbids."""
-    calls = []
-
-    def zero_rand(*args, **kwargs):
-        calls.append(1)
-        return torch.zeros(())
-
-    monkeypatch.setattr(acceptance.torch, "rand", zero_rand)
+    zeros = [ZeroDraws(), ZeroDraws()]
     p = torch.zeros(3, V)
     p[0, 1] = 1.0  # forbids 5
     p[1, 5] = 1e-30  # allows 5, barely
     p[1, 2] = 1.0 - 1e-30
     p[2, 0] = 1.0
     q = SparseDistribution.one_hot(5)
-    result = accept_speculative(p[:2], [5], [q], gens(0, 2))
-    assert calls, "the mock must be in use"
+    result = accept_speculative(p[:2], [5], [q], zeros)
+    # The stub is in use: r (DRAW_ACCEPT) then, on rejection, the recovered token's draw (DRAW_TOKEN).
+    assert zeros[0].calls == [DRAW_ACCEPT, DRAW_TOKEN]
     assert result.num_accepted == 0 and result.tokens == [1]
     # With u = 0 a token of tiny but positive p is accepted: the strict compare only excludes p = 0.
-    result = accept_speculative(p[1:], [5], [q], gens(0, 2))
+    result = accept_speculative(p[1:], [5], [q], zeros)
     assert result.num_accepted == 1 and result.tokens == [5, 0]
     # Also a sparse q whose support holds the forbidden id with large mass.
     q = SparseDistribution(torch.tensor([5, 1]), torch.tensor([0.99, 0.01]))
-    result = accept_speculative(p[:2], [5], [q], gens(0, 2))
+    result = accept_speculative(p[:2], [5], [q], zeros)
     assert result.num_accepted == 0 and result.tokens == [1]
+    # u = 0 for the recovered and the bonus token: the first id with p > 0, never a leading p = 0 id.
+    rows = torch.zeros(2, V)
+    rows[0, 6] = rows[0, 8] = 0.5
+    rows[1, 3] = 1.0
+    result = accept_speculative(rows, [2], [SparseDistribution.one_hot(2)], zeros)
+    assert result.tokens == [6]
+    result = accept_speculative(rows[1:], [], [], zeros[:1])
+    assert result.tokens == [3]
 
 
 def test_draft_id_beyond_target_vocab_rejects():
@@ -303,7 +321,7 @@ def test_sparse_distribution_helpers():
 # Reproducibility
 
 
-def test_fixed_generators_repeat_and_differ_across_seeds():
+def test_fixed_keys_repeat_and_differ_across_seeds():
     g = torch.Generator().manual_seed(2)
     k = 4
     p = torch.stack([random_dist(g) for _ in range(k + 1)])
@@ -312,22 +330,23 @@ def test_fixed_generators_repeat_and_differ_across_seeds():
     q = [dense_q(qp) for qp in q_probs]
     outcomes = []
     for seed in range(40):
-        first = accept_speculative(p, drafts, q, [keyed_generator(seed, 100 + i, 2) for i in range(k + 1)])
-        again = accept_speculative(p, drafts, q, [keyed_generator(seed, 100 + i, 2) for i in range(k + 1)])
+        first = accept_speculative(p, drafts, q, position_keys(seed, 100, k + 1, STREAM_VERIFY))
+        again = accept_speculative(p, drafts, q, [DrawKey(seed, 100 + i, STREAM_VERIFY) for i in range(k + 1)])
         assert first == again
         outcomes.append(tuple(first.tokens))
     assert len(set(outcomes)) > 5
 
 
-def test_keyed_generators_are_independent_per_key():
+def test_keyed_draws_are_independent_per_key():
     draws = {
-        (s, pos, stream): float(torch.rand((), generator=keyed_generator(s, pos, stream)))
+        (s, pos, stream, d): DrawKey(s, pos, stream).uniform(d)
         for s in (0, 1)
         for pos in (0, 1, 2)
-        for stream in (1, 2)
+        for stream in (STREAM_DRAFT, STREAM_VERIFY)
+        for d in (DRAW_ACCEPT, DRAW_TOKEN)
     }
     assert len(set(draws.values())) == len(draws)
-    assert float(torch.rand((), generator=keyed_generator(1, 2, 1))) == draws[(1, 2, 1)]
+    assert DrawKey(1, 2, 1).uniform(DRAW_TOKEN) == draws[(1, 2, 1, DRAW_TOKEN)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,8 +449,7 @@ def test_truncate_top_k():
     assert sorted(sparse.token_ids.tolist()) == [0, 1, 3, 4]
     assert math.isclose(float(sparse.probs.sum()), 1.0, rel_tol=1e-6)
     # samples come from the support only
-    g = torch.Generator().manual_seed(0)
-    draws = {truncate_top_k(probs, 2).sample(g) for _ in range(200)}
+    draws = {truncate_top_k(probs, 2).sample(uniform(0, i, STREAM_DRAFT, DRAW_TOKEN)) for i in range(200)}
     assert draws == {1, 3}
 
 

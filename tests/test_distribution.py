@@ -15,7 +15,8 @@ from specdec.acceptance import accept_speculative
 from specdec.drafters import ModelDrafter
 from specdec.engine import collect
 from specdec.local import LocalEngine
-from specdec.sampling import SamplingParams, SparseDistribution, process_logits, truncate_top_k
+from specdec.randomness import position_keys
+from specdec.sampling import STREAM_VERIFY, SamplingParams, SparseDistribution, process_logits, truncate_top_k
 
 ALPHA = 1e-4  # significance of every chi-square test below
 
@@ -54,6 +55,12 @@ def dense(probs: torch.Tensor) -> SparseDistribution:
     return SparseDistribution(torch.arange(probs.shape[-1]), probs.float())
 
 
+def block_keys(seed: int, trial: int, width: int):
+    """The verifier's draw keys for trial ``trial`` of a simulation: positions of its own, so every
+    trial's draws are independent of every other's (as the positions of one long request)."""
+    return position_keys(seed, trial * width, width, STREAM_VERIFY)
+
+
 def first_token_counts(p: torch.Tensor, q: SparseDistribution, n: int, seed: int):
     """Draw x ~ q, verify a one-draft block with target row p; count the first emitted token."""
     vocab = p.shape[0]
@@ -63,9 +70,8 @@ def first_token_counts(p: torch.Tensor, q: SparseDistribution, n: int, seed: int
     rows = torch.stack([p, torch.full((vocab,), 1.0 / vocab)])
     counts = torch.zeros(vocab, dtype=torch.long)
     accepted = 0
-    generators = [g, g]
-    for x in drafts:
-        result = accept_speculative(rows, [x], [q], generators)
+    for trial, x in enumerate(drafts):
+        result = accept_speculative(rows, [x], [q], block_keys(seed, trial, 2))
         counts[result.tokens[0]] += 1
         accepted += result.num_accepted
     return counts, accepted / n
@@ -166,15 +172,14 @@ def test_convergence_vllm_style():
     references = torch.softmax(torch.randn(100, vocab, generator=g) * 1.2, dim=-1)
     rows = p.expand(k + 1, vocab).contiguous()
     q = [dense(q_probs)] * k
-    generators = [g] * (k + 1)
     sizes = [10, 100, 1_000, 10_000, 100_000]
     emitted: list[int] = []
     draft_pool = torch.multinomial(q_probs, 2 * sizes[-1], replacement=True, generator=g).tolist()
     cursor = 0
     while len(emitted) < sizes[-1]:
         drafts = draft_pool[cursor : cursor + k]
+        result = accept_speculative(rows, drafts, q, block_keys(1234, cursor // k, k + 1))
         cursor += k
-        result = accept_speculative(rows, drafts, q, generators)
         emitted.extend(result.tokens[: min(len(result.tokens), k)])  # drop the bonus token
     emitted_t = torch.tensor(emitted[: sizes[-1]])
     to_target, to_reference = [], []
@@ -210,20 +215,21 @@ def test_second_emitted_position_follows_conditional_p():
 
     first_drafts = draw(q1, n)
     second_drafts = {a: iter(draw(q2[a], 2 * n)) for a in range(vocab)}
-    generators = [g, g, g]
     counts = torch.zeros(vocab, vocab, dtype=torch.long)
     second_accepted = 0
-    for x1 in first_drafts:
+    for trial, x1 in enumerate(first_drafts):
         x2 = next(second_drafts[x1])
         rows = torch.stack([p1, p2[x1], p3])
-        result = accept_speculative(rows, [x1, x2], [q1, q2[x1]], generators)
+        keys = block_keys(99, trial, 3)  # this trial's positions j, j + 1, j + 2
+        result = accept_speculative(rows, [x1, x2], [q1, q2[x1]], keys)
         if len(result.tokens) >= 2:
             a, b = result.tokens[0], result.tokens[1]
             second_accepted += result.num_accepted == 2
         else:
             a = result.tokens[0]  # recovered; the next block drafts the second token given it
             y = next(second_drafts[a])
-            b = accept_speculative(torch.stack([p2[a], p3]), [y], [q2[a]], generators[:2]).tokens[0]
+            # The next block starts at position j + 1, whose draws the rejection left unused.
+            b = accept_speculative(torch.stack([p2[a], p3]), [y], [q2[a]], keys[1:]).tokens[0]
         counts[a, b] += 1
     joint = p1[:, None] * p2
     pvalue = chi2_pvalue(counts, joint)
