@@ -155,6 +155,13 @@ def main() -> int:
     return 0 if summary["mismatched_outputs"] == 0 and summary["failed_outside_verifier_kill"] == 0 else 1
 
 
+def _by_minute(records: list[Record]) -> dict[int, list[Record]]:
+    minutes: dict[int, list[Record]] = {}
+    for r in records:
+        minutes.setdefault(int(r.start_s // 60), []).append(r)
+    return dict(sorted(minutes.items()))
+
+
 def summarize(records: list[Record], kills: list[Kill], references: dict[int, list[int]], duration: float,
               args) -> dict:
     ok = [r for r in records if r.code == "OK"]
@@ -173,6 +180,9 @@ def summarize(records: list[Record], kills: list[Kill], references: dict[int, li
         back = k.at_s + k.serving_again_s
         after = [r for r in ok if r.start_s >= back + 2][: args.streams * 2]
         drafter_kills.append({"at_s": round(k.at_s, 1), "serving_again_s": round(k.serving_again_s, 1),
+                              # The gateway chose the model drafter again (the adaptive policy may
+                              # still verify no drafts where plain decoding pays better).
+                              "next_requests_with_model_drafter": sum(r.draft_method == "model" for r in after),
                               "next_requests_drafted": sum(r.draft_tokens > 0 for r in after),
                               "next_requests": len(after),
                               "in_flight_completed": sum(r.start_s <= k.at_s <= r.end_s for r in ok),
@@ -187,6 +197,9 @@ def summarize(records: list[Record], kills: list[Kill], references: dict[int, li
         "failure_details": sorted({f"{r.code}: {r.detail}" for r in failed})[:10],
         "tokens": sum(r.tokens for r in ok),
         "completed_with_drafts": sum(r.draft_tokens > 0 for r in ok),
+        "completed_by_draft_method": dict(Counter(r.draft_method for r in ok)),
+        "latency_s_by_minute": {m: round(sum(r.end_s - r.start_s for r in rows) / len(rows), 1)
+                                for m, rows in _by_minute(ok).items()},
         "outputs_checked": len(ok),
         "mismatched_outputs": len(mismatched),
         "drafter_kills": drafter_kills,
