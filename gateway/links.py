@@ -387,6 +387,9 @@ class MigratingVerifier:
         """Move the session to another ready replica, or raise ``VerifierUnavailable``."""
         lost = self.backend
         failed.add(lost.address)
+        # Not ready until its next successful refresh: new requests wait for it (or take another)
+        # instead of failing on it in turn.
+        lost.info = None
         replacement = self.pool.pick(exclude=failed)
         if replacement is None:
             log.warning("verifier %s failed for request %s (verifier session %s): %s; no other replica is ready",
@@ -397,7 +400,6 @@ class MigratingVerifier:
                     lost.address, self.request_id, self.session_id, describe(error), len(self.committed),
                     replacement.address)
         lost.in_flight -= 1
-        lost.info = None  # not ready until its next successful refresh
         self.link.call.cancel()
         self.backend = replacement
         self.link = self._open(replacement, self.committed)

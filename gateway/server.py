@@ -47,6 +47,9 @@ class GatewayLimits:
     # averages about 4), so a prompt far past max_prompt_tokens is refused without tokenizing it.
     max_prompt_chars: int | None = None
     max_stop_token_ids: int = 256
+    # A request that arrives while no verifier is ready (one restarting, a rollout) waits this long,
+    # within its deadline, for one instead of failing at once.
+    verifier_wait_s: float = 30.0
 
     @property
     def prompt_chars(self) -> int:
@@ -319,6 +322,19 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         finally:
             obs.end()
 
+    async def _wait_for_verifier(self, context, poll_s: float = 0.1) -> None:
+        """Wait, up to ``verifier_wait_s`` and the request's deadline, until a verifier is ready: a
+        restart or a rollout then delays requests instead of failing them. UNAVAILABLE after that."""
+        if self.verifiers.ready():
+            return
+        remaining = context.time_remaining()
+        wait_s = self.limits.verifier_wait_s if remaining is None else min(self.limits.verifier_wait_s, remaining)
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while not self.verifiers.ready():
+            if asyncio.get_running_loop().time() >= deadline:
+                raise NotReady(f"no verifier is ready (waited {wait_s:.0f} s)")
+            await asyncio.sleep(poll_s)
+
     async def _generate(self, request, context, obs: telemetry.RequestTelemetry):
         try:
             prompt_input, params, method, k, draft_ahead = self._validate(request)
@@ -333,6 +349,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             raise
         if method == "auto":
             method = "model" if self.drafters.ready("model") else "ngram"
+        await self._wait_for_verifier(context)
         self._admit()  # again: others may have been admitted meanwhile (no await from here to active += 1)
         verifier_backend = self.verifiers.pick()
         if verifier_backend is None:

@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--max-new-tokens-cap", type=int, default=2048)
     gateway.add_argument("--default-max-new-tokens", type=int, default=128)
     gateway.add_argument("--max-draft-tokens", type=int, default=16)
+    gateway.add_argument("--verifier-wait", type=float, default=30.0,
+                         help="seconds a request waits for a ready verifier (one restarting) before UNAVAILABLE")
     gateway.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=False,
                          help="drafters draft the next block while a verification is in flight "
                               "(requests may override with speculation.draft_ahead)")
@@ -391,6 +393,7 @@ def _serve(args) -> int:
             max_new_tokens=args.max_new_tokens_cap,
             default_max_new_tokens=args.default_max_new_tokens,
             max_draft_tokens=args.max_draft_tokens,
+            verifier_wait_s=args.verifier_wait,
         )
         coro = serve(args.target, args.verifier, args.drafter, options, limits,
                      discover_verifiers=args.discover_verifiers, discover_drafters=args.discover_drafters,

@@ -2,7 +2,8 @@
 
 A drafter killed mid-stream: the stream completes token-identical to plain decoding, the drafter is
 restarted and serving within 30 s, and the next request drafts with it again. A verifier killed
-mid-stream: the stream ends UNAVAILABLE within 2 s; the verifier is restarted and serves again.
+mid-stream: the stream ends UNAVAILABLE within 2 s; a request sent meanwhile waits for the restarted
+verifier and is served.
 """
 
 from __future__ import annotations
@@ -90,16 +91,32 @@ def test_a_verifier_killed_mid_stream_fails_fast_and_comes_back(up_stack):
                                                method="model", num_draft_tokens=2)
         assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE, error
         assert seconds < 2.0
-        wait_serving(_port(address, 2), timeout=60)
-        assert stack.service_pids()["verifier"] != pid
-        # Served again once the gateway's refresh sees it.
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                result = client.generate(prompt=PROMPT, max_new_tokens=16, ignore_eos=True)
-                break
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
+        # A request sent while the verifier restarts waits for it (--verifier-wait) instead of failing.
+        sent = time.monotonic()
+        result = client.generate(prompt=PROMPT, max_new_tokens=16, ignore_eos=True)
         assert len(result.token_ids) == 16
+        assert stack.service_pids()["verifier"] != pid
+        assert time.monotonic() - sent < 30
+
+
+def test_without_a_verifier_a_request_waits_then_fails_unavailable(tiny_pair, tmp_path):
+    """Past --verifier-wait (or its deadline, if shorter) a request with no ready verifier fails."""
+    from tests.harness import free_port, health_status, start_service
+
+    gateway = start_service("gateway", ["--target", str(tiny_pair[1]), "--verifier", f"127.0.0.1:{free_port()}",
+                                        "--verifier-wait", "1.5"], tmp_path)
+    try:
+        # It listens (health answers NOT_SERVING: no verifier is ready).
+        deadline = time.monotonic() + 60
+        while health_status(gateway.address) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        with GatewayClient(gateway.address, timeout=30) as client:
+            sent = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                client.generate(prompt=PROMPT, max_new_tokens=4)
+            waited = time.monotonic() - sent
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no verifier is ready (waited 2 s)" in info.value.details()
+        assert 1.5 <= waited < 10
+    finally:
+        gateway.stop()
