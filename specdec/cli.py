@@ -29,12 +29,17 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
 def _add_dtype_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
                    help="model weights' dtype (default $SPECDEC_DTYPE, else auto: fp32 on CPU, bf16 on GPU)")
+    p.add_argument("--runtime", choices=["auto", "lean", "hf"], default=None,
+                   help="model forward: lean (specdec's own, Llama-family fp32 models), hf (transformers') or "
+                        "auto (lean where supported); default $SPECDEC_RUNTIME, else hf")
 
 
 def _apply_dtype(args) -> None:
-    """--dtype becomes $SPECDEC_DTYPE, so services that `specdec up` starts inherit it."""
+    """--dtype / --runtime become $SPECDEC_DTYPE / $SPECDEC_RUNTIME, so services that `specdec up` starts inherit them."""
     if getattr(args, "dtype", None):
         os.environ["SPECDEC_DTYPE"] = args.dtype
+    if getattr(args, "runtime", None):
+        os.environ["SPECDEC_RUNTIME"] = args.runtime
 
 
 def _add_serve_flags(p: argparse.ArgumentParser, default_port: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.lean.kv import LeanKV
 from specdec.lm import LoadedModel
 
 
@@ -83,9 +84,13 @@ class GrowingKVLayer(_growing_layer_base()):
 
 
 def new_session_cache(lm: LoadedModel):
-    """A KV cache for one sequence: ``GrowingKVLayer``s where the model's layers are plain
-    (full-attention) ones, transformers' own cache otherwise (sliding windows, linear attention)."""
+    """A KV cache for one sequence: the lean runtime's ``LeanKV`` where the model runs on it;
+    else ``GrowingKVLayer``s where the model's layers are plain (full-attention) ones,
+    transformers' own cache otherwise (sliding windows, linear attention)."""
     from transformers.cache_utils import DynamicLayer
+
+    if lm.lean is not None:
+        return lm.new_cache()
 
     cache = lm.new_cache()
     if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
@@ -120,6 +125,10 @@ class KVSession:
     def rollback_to(self, length: int) -> None:
         """Make cache and ``cached_tokens`` agree on the first ``length`` positions (after a failed
         pass, which may have grown some layers and not others)."""
+        if isinstance(self.cache, LeanKV):  # a failed lean pass never moved the length; a rollback may
+            self.cache.crop(min(self.cache.length, length))
+            del self.cached_tokens[length:]
+            return
         for layer in self.cache.layers if self.cache is not None else ():
             if isinstance(layer, GrowingKVLayer):
                 layer.crop(min(layer.length, length))
@@ -150,6 +159,11 @@ class KVSession:
             raise
         self.cached_tokens = list(tokens)
         return logits
+
+    @property
+    def lean_cache(self) -> LeanKV | None:
+        """The cache when it is the lean runtime's (batched passes run ``LeanModel.forward``), else None."""
+        return self.cache if isinstance(self.cache, LeanKV) else None
 
     @property
     def growing_layers(self) -> list[GrowingKVLayer] | None:

@@ -3,6 +3,9 @@
 The loader (``specdec.models``) builds it; KV sessions (``specdec.kv``) and batched passes
 (``specdec.ragged``) run it. It imports none of them, so the dependencies point one way:
 ``lm`` <- ``kv`` <- ``ragged`` <- ``models`` (the loader switches the attention to the ragged one).
+Where the loader built the lean runtime (``specdec.lean``, Llama-family models), caches are
+``LeanKV``s and forwards run ``LeanModel.forward``; transformers' model stays beside it (same
+weights) for ``generate`` and as the ``--runtime hf`` fallback.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
+
+from specdec.lean.kv import LeanKV
 
 # FR-Spec: a draft directory may restrict its LM head to these token ids (a JSON list). The draft then
 # never proposes other ids (q = 0 there), which exact acceptance handles; the head costs a fraction.
@@ -35,6 +40,11 @@ class LoadedModel:
     ragged_attention: bool = False  # batched passes over several sessions' caches (specdec.ragged)
     head_token_ids: torch.Tensor | None = field(default=None, repr=False)  # FR-Spec reduced head
     _head_weight: torch.Tensor | None = field(default=None, repr=False)
+    lean: object | None = field(default=None, repr=False)  # specdec.lean.LeanModel when runtime == "lean"
+
+    @property
+    def runtime(self) -> str:
+        return "hf" if self.lean is None else "lean"
 
     def restrict_head(self, token_ids: list[int]) -> None:
         """Compute logits only for ``token_ids``; every other id gets -inf (probability 0)."""
@@ -44,6 +54,8 @@ class LoadedModel:
         weight = self.model.get_output_embeddings().weight
         self.head_token_ids = ids.to(self.device)
         self._head_weight = weight.detach()[self.head_token_ids].contiguous()
+        if self.lean is not None:
+            self.lean.restrict_head(self.head_token_ids)
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -69,6 +81,9 @@ class LoadedModel:
             raise ValueError(f"{field}: {len(prompt_ids)} tokens exceed the model context ({self.max_positions})")
 
     def new_cache(self):
+        """An empty KV cache: a ``LeanKV`` on the lean runtime, transformers' ``DynamicCache`` otherwise."""
+        if self.lean is not None:
+            return self.lean.new_kv()
         from transformers import DynamicCache
 
         try:
@@ -79,6 +94,8 @@ class LoadedModel:
     @torch.inference_mode()
     def forward(self, input_ids: list[int], cache, num_logits: int) -> torch.Tensor:
         """Feed ``input_ids`` after what ``cache`` holds; return fp32 logits [num_logits, V]."""
+        if isinstance(cache, LeanKV):
+            return self.lean.forward([cache], [input_ids], [num_logits])
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         return self.forward_rows(ids, cache, num_logits)[0]
 

@@ -75,6 +75,34 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+RUNTIME_ENV = "SPECDEC_RUNTIME"  # lean | hf | auto (set by --runtime; child processes inherit it)
+RUNTIMES = ("auto", "lean", "hf")
+
+
+def _lean_runtime(model, runtime: str | None, name: str):
+    """The ``specdec.lean.LeanModel`` for ``model`` when ``runtime`` (default ``$SPECDEC_RUNTIME``,
+    else hf) asks for it and the model is one it runs; None means transformers' forward.
+    ``lean`` on a model it cannot run is a ``ModelLoadError``; ``auto`` falls back and logs why."""
+    # hf stays the default until the lean runtime's load-time backend measurement is bounded on a busy
+    # host and it has run the benchmarks end to end (docs/benchmarks.md, "A lean forward").
+    runtime = runtime or os.environ.get(RUNTIME_ENV) or "hf"
+    if runtime not in RUNTIMES:
+        raise ModelLoadError(f"runtime {runtime!r}: choose from {', '.join(RUNTIMES)}")
+    if runtime == "hf":
+        return None
+    from specdec.lean import LeanModel, unsupported_reason
+
+    reason = unsupported_reason(model)
+    if reason is not None:
+        if runtime == "lean":
+            raise ModelLoadError(f"{name}: the lean runtime cannot run it: {reason}")
+        log.info("%s: transformers' forward (the lean runtime does not support %s)", name, reason)
+        return None
+    lean = LeanModel.from_hf(model)
+    log.info("%s: lean runtime", name)
+    return lean
+
+
 def _embedded_gguf_path() -> Path:
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)  # importing it needs `llm`; finding does not
     if spec is None or not spec.submodule_search_locations:
@@ -201,8 +229,12 @@ def load_model(
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
     trust_remote_code: bool = False,
+    runtime: str | None = None,
 ) -> LoadedModel:
-    """Load a Hugging Face causal LM by hub id or local directory (safetensors only)."""
+    """Load a Hugging Face causal LM by hub id or local directory (safetensors only).
+
+    ``runtime``: ``lean`` (``specdec.lean``: Llama-family models, fp32), ``hf`` (transformers'
+    forward) or ``auto`` (lean where supported); default ``$SPECDEC_RUNTIME``, else hf."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     path = resolve_model_path(name_or_path)
@@ -244,6 +276,7 @@ def load_model(
     from specdec.ragged import enable_ragged_attention
 
     loaded.ragged_attention = enable_ragged_attention(model)
+    loaded.lean = _lean_runtime(model, runtime, name_or_path)
     head_file = Path(path) / HEAD_TOKEN_IDS_FILE
     if head_file.is_file():
         try:

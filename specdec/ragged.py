@@ -55,6 +55,8 @@ def batched_forward(lm: LoadedModel, rows: Sequence[ForwardRow]) -> list[torch.T
     its own tokens to the pass and nothing to the other rows (padding to the longest row would
     widen every row to it).
     """
+    if len(rows) > 1 and lm.lean is not None and all(row.kv.lean_cache is not None for row in rows):
+        return _lean_batched_forward(lm, rows)
     if len(rows) == 1 or not lm.ragged_attention or any(row.kv.growing_layers is None for row in rows):
         return [row.kv.forward(row.tokens, row.num_logits) for row in rows]
     feeds = [row.kv.prepare(row.tokens, row.num_logits) for row in rows]
@@ -83,6 +85,20 @@ def batched_forward(lm: LoadedModel, rows: Sequence[ForwardRow]) -> list[torch.T
     first = 0
     for row in rows:
         out.append(logits[0, first : first + row.num_logits])
+        first += row.num_logits
+        row.kv.cached_tokens = list(row.tokens)
+    return out
+
+
+def _lean_batched_forward(lm: LoadedModel, rows: Sequence[ForwardRow]) -> list[torch.Tensor]:
+    """The lean runtime's pass: ``LeanModel.forward`` packs the rows itself (one attention call per
+    layer with a block mask); a pass that fails leaves every cache at its prepared length."""
+    feeds = [row.kv.prepare(row.tokens, row.num_logits) for row in rows]
+    logits = lm.lean.forward([row.kv.lean_cache for row in rows], feeds, [row.num_logits for row in rows])
+    out = []
+    first = 0
+    for row in rows:
+        out.append(logits[first : first + row.num_logits])
         first += row.num_logits
         row.kv.cached_tokens = list(row.tokens)
     return out

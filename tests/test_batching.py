@@ -82,12 +82,20 @@ def test_a_failed_pass_leaves_every_session_consistent(tiny_target, monkeypatch)
     sequences = [[rng.randrange(vocab) for _ in range(n)] for n in (4, 11, 7)]
     sessions = [KVSession(tiny_target) for _ in sequences]
     batched_forward(tiny_target, [ForwardRow(kv, list(tokens), 1) for kv, tokens in zip(sessions, sequences)])
-    layer = tiny_target.model.model.layers[1]
+    if tiny_target.lean is not None:  # the lean runtime: its second layer's attention fails
+        attention = tiny_target.lean._attention
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("out of memory")
+        def failing(*args):
+            if args[-1] == 1:
+                raise RuntimeError("out of memory")
+            return attention(*args)
 
-    monkeypatch.setattr(layer.mlp, "forward", broken)
+        monkeypatch.setattr(tiny_target.lean, "_attention", failing)
+    else:
+        def broken(*args, **kwargs):
+            raise RuntimeError("out of memory")
+
+        monkeypatch.setattr(tiny_target.model.model.layers[1].mlp, "forward", broken)
     with pytest.raises(RuntimeError, match="out of memory"):
         batched_forward(tiny_target, [ForwardRow(kv, tokens + [1, 2], 2) for kv, tokens in zip(sessions, sequences)])
     monkeypatch.undo()

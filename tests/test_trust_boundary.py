@@ -428,23 +428,25 @@ def test_models_whose_cache_cannot_roll_back_are_refused_at_load(tiny_pair, tmp_
     assert "cannot serve speculative decoding" in service.log()
 
 
-def test_a_failed_single_session_forward_rolls_its_cache_back(tiny_target):
+def test_a_failed_single_session_forward_rolls_its_cache_back(tiny_target, monkeypatch):
     from specdec.kv import KVSession
 
     session, reference = KVSession(tiny_target), KVSession(tiny_target)
     session.forward([5, 6, 7, 8], 1)
-    layers = tiny_target.model.model.layers
-    original = layers[-1].forward
+    last = len(tiny_target.model.model.layers) - 1
 
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    layers[-1].forward = broken  # the first layers grow, the last fails
-    try:
-        with pytest.raises(RuntimeError, match="device lost"):
-            session.forward([5, 6, 7, 8, 9, 10], 2)
-    finally:
-        layers[-1].forward = original
+    if tiny_target.lean is not None:  # the lean runtime: the last layer's attention fails
+        attention = tiny_target.lean._attention
+        monkeypatch.setattr(tiny_target.lean, "_attention",
+                            lambda *args: broken() if args[-1] == last else attention(*args))
+    else:
+        monkeypatch.setattr(tiny_target.model.model.layers[last], "forward", broken)  # the first layers grow
+    with pytest.raises(RuntimeError, match="device lost"):
+        session.forward([5, 6, 7, 8, 9, 10], 2)
+    monkeypatch.undo()
     assert session.cached_tokens == [5, 6, 7, 8]
     assert all(layer.get_seq_length() == 4 for layer in session.cache.layers)
     assert torch.allclose(session.forward([5, 6, 7, 8, 9, 10], 2), reference.forward([5, 6, 7, 8, 9, 10], 2),

@@ -1,0 +1,104 @@
+"""The lean runtime's forward against transformers', and the matrix-product backends behind it.
+
+    OPENBLAS_CORETYPE= OPENBLAS_L2_SIZE= python scripts/forward_backends.py [--target embedded] [--threads 2]
+
+Prints, in one run: the backend table (ms for every product of a forward -- each layer's fused QKV,
+O, fused gate/up and down, plus the LM head -- per row count and backend, min of reps, and the
+backend picked); transformers' forward against the lean one over 1..16 new tokens after a 64-token
+prefix (logits for every new token, min of reps, interleaved so that load hits both alike); and
+the lean forward's matrix products alone on the backend it uses for that row count.
+(Unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE for the benchmark only: they are there for old
+OpenBLAS builds and slow numpy's.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import random
+import time
+
+import torch
+
+
+def openblas_config() -> str:
+    from specdec.lean.matmul import openblas_threads
+
+    with open("/proc/self/maps") as maps:
+        paths = sorted({line.split()[-1] for line in maps if "openblas" in line.lower() and "/" in line})
+    for path in paths:
+        lib = ctypes.CDLL(path)
+        for name in ("scipy_openblas_get_config64_", "openblas_get_config64_", "openblas_get_config"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.restype = ctypes.c_char_p
+                return f"{fn().decode()} (threads {openblas_threads()})"
+    return "OpenBLAS not found"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--target", default="embedded")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--prefix", type=int, default=64)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    import numpy  # noqa: F401
+
+    from specdec.kv import KVSession
+    from specdec.lean import LeanModel
+    from specdec.models import load_model
+
+    lm = load_model(args.target, device="cpu", dtype=torch.float32, runtime="hf")
+    buckets = (1, 2, 4, 8, 16)
+    start = time.perf_counter()
+    lean = LeanModel.from_hf(lm.model, buckets=buckets, reps=5, timed_bytes=None)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; numpy {numpy.__version__}: {openblas_config()}")
+    print(f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')!r} OPENBLAS_L2_SIZE={os.environ.get('OPENBLAS_L2_SIZE')!r}")
+    print(f"lean load (fuse + backend table): {time.perf_counter() - start:.1f} s")
+    plan = lean.plan
+    names = list(next(iter(plan.table.values())))
+    print("\nbackend table: ms for all products of one forward (30 layers' QKV, O, gate/up, down + LM head)")
+    print("rows " + "".join(f"{name:>9}" for name in names) + "   picked")
+    for bucket, row in plan.table.items():
+        print(f"{bucket:>4} " + "".join(f"{row[name] * 1e3:9.1f}" for name in names) + f"   {plan.choice[bucket]}")
+
+    rng = random.Random(0)
+    vocab = min(lm.vocab_size, 1000)
+    prefix = [rng.randrange(1, vocab) for _ in range(args.prefix)]
+    hf_session = KVSession(lm)
+    hf_session.forward(prefix + [1, 2], 1)
+    kv = lean.new_kv()
+    lean.forward([kv], [prefix + [1, 2]], [1])
+    sizes = range(1, args.max_tokens + 1)
+    hf_best = {n: float("inf") for n in sizes}
+    lean_best = dict(hf_best)
+    mm_best = dict(hf_best)
+    worst = 0.0
+    for _ in range(args.reps):
+        for n in sizes:
+            extra = [rng.randrange(1, vocab) for _ in range(n)]
+            hf_session.rollback(args.prefix)
+            t0 = time.perf_counter()
+            expected = hf_session.forward(prefix + extra, n)
+            hf_best[n] = min(hf_best[n], time.perf_counter() - t0)
+            kv.crop(args.prefix)
+            t0 = time.perf_counter()
+            got = lean.forward([kv], [extra], [n])
+            lean_best[n] = min(lean_best[n], time.perf_counter() - t0)
+            worst = max(worst, float((got - expected).abs().max()))
+            backend = plan.backend(n)
+            mm_best[n] = min(mm_best[n], plan.time_products(backend, n, reps=1))
+    print(f"\nforward over n new tokens after a {args.prefix}-token prefix, logits for all n, min of {args.reps} "
+          f"(max |lean - transformers| logit diff {worst:.2e})")
+    print("   n  transformers ms  lean ms  lean/hf  backend  products ms  lean/products")
+    for n in sizes:
+        print(f"{n:>4} {hf_best[n] * 1e3:16.1f} {lean_best[n] * 1e3:8.1f} {lean_best[n] / hf_best[n]:8.2f}"
+              f"  {plan.backend(n).name:>7} {mm_best[n] * 1e3:12.1f} {lean_best[n] / mm_best[n]:14.2f}")
+
+
+if __name__ == "__main__":
+    main()

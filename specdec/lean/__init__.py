@@ -1,0 +1,15 @@
+"""The lean runtime: a plain-torch forward for Llama-family causal LMs (Llama, SmolLM2, Mistral,
+Qwen2), on the same Hugging Face weights as transformers' model, which stays the fallback.
+
+- ``weights``: the tensors, q/k/v and gate/up fused (transformers' parameters become views of them)
+- ``matmul``: product backends (torch/MKL, oneDNN-packed, numpy/OpenBLAS zero-copy), the table
+  measured at load that picks one per row count, and the thread regime each needs
+- ``kv``: ``LeanKV``, a session's keys/values in one preallocated buffer, O(1) rollback
+- ``forward``: ``LeanModel.forward`` over one or several sessions' new tokens in one pass
+"""
+
+from specdec.lean.forward import LeanModel
+from specdec.lean.kv import LeanKV
+from specdec.lean.weights import LeanWeights, unsupported_reason
+
+__all__ = ["LeanKV", "LeanModel", "LeanWeights", "unsupported_reason"]

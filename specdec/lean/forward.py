@@ -1,0 +1,181 @@
+"""The lean forward of a Llama-family causal LM over one or several sessions' new tokens.
+
+One pass packs every session's new tokens into one sequence of T rows (each at its own
+positions): embedding, then per layer RMSNorm -> fused QKV product -> RoPE on q and k together ->
+the new keys/values written into each session's ``LeanKV`` -> one attention call -> O product ->
+RMSNorm -> fused gate/up product -> SiLU * up -> down product, then the final norm and the LM head
+over only the rows whose logits are wanted. The products go through the backend the load-time
+table picked for T rows (``specdec.lean.matmul``). RoPE tables and the attention mask are built
+once per pass.
+
+Attention is one SDPA call per layer. Grouped-query heads are folded into the query length (the
+G query heads sharing a key/value head become G x T queries of it), so keys and values are never
+repeated. One session: its keys/values are views of its buffer (no copy), with a causal mask only
+when it feeds more than one token. Several sessions: their keys/values are concatenated and a
+block mask (each row sees its own session's prefix and its own fed tokens up to itself) keeps
+the sessions apart.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from specdec.lean.kv import LeanKV
+from specdec.lean.matmul import BUCKETS, Linear, MatmulPlan
+from specdec.lean.weights import LeanWeights
+
+log = logging.getLogger(__name__)
+
+TIMED_BYTES = 96 << 20  # the load-time backend table times this much of the layers' weights (plus the head)
+
+
+class LeanModel:
+    def __init__(self, weights: LeanWeights, device: torch.device, backend: str | None = None,
+                 buckets=BUCKETS, reps: int = 3, timed_bytes: int | None = TIMED_BYTES) -> None:
+        """``backend``: force one (torch, mkldnn, numpy) instead of measuring; ``timed_bytes``: the
+        load-time table times layers until their weights pass this size (None: every layer)."""
+        self.w = weights
+        self.device = torch.device(device)
+        self.dtype = weights.embed.dtype
+        self.groups = weights.heads // weights.kv_heads
+        self.scaling = weights.head_dim ** -0.5
+        self.layers = [(layer, Linear(layer.qkv), Linear(layer.o), Linear(layer.gate_up), Linear(layer.down))
+                       for layer in weights.layers]
+        self.head = Linear(weights.head)
+        self.head_ids: torch.Tensor | None = None
+        linears = [linear for entry in self.layers for linear in entry[1:]] + [self.head]
+        self.plan = MatmulPlan(linears, self.device, backend=backend, buckets=buckets, reps=reps,
+                               timed=self._timed_subset(timed_bytes))
+        self._inv_freq = weights.inv_freq.to(self.device)
+
+    @classmethod
+    def from_hf(cls, model, **options) -> LeanModel:
+        weights = LeanWeights.from_hf(model)
+        return cls(weights, weights.embed.device, **options)
+
+    def _timed_subset(self, timed_bytes: int | None) -> list[Linear] | None:
+        """The first layers whose weights pass ``timed_bytes`` (far past any cache), plus the head."""
+        if timed_bytes is None:
+            return None
+        timed, size = [], 0
+        for entry in self.layers:
+            if size >= timed_bytes:
+                break
+            timed.extend(entry[1:])
+            size += sum(linear.weight.numel() * linear.weight.element_size() for linear in entry[1:])
+        return timed + [self.head]
+
+    @property
+    def logits_width(self) -> int:
+        return int(self.w.head.shape[0])
+
+    def new_kv(self, capacity: int = 0) -> LeanKV:
+        return LeanKV(len(self.layers), self.w.kv_heads, self.w.head_dim, self.dtype, self.device,
+                      capacity=capacity, max_capacity=self.w.max_positions)
+
+    def restrict_head(self, token_ids: torch.Tensor) -> None:
+        """FR-Spec: logits only for ``token_ids`` (sorted); every other id gets -inf."""
+        self.head_ids = token_ids.to(self.device)
+        self.head = Linear(self.w.head[self.head_ids].contiguous())
+        self.plan.prepare(self.head)
+
+    @torch.inference_mode()
+    def forward(self, kvs: Sequence[LeanKV], feeds: Sequence[Sequence[int]], num_logits: Sequence[int]) -> torch.Tensor:
+        """Feed ``feeds[i]`` after what ``kvs[i]`` holds, for every i in one pass; fp32 logits (CPU)
+        [sum(num_logits), V]: the last ``num_logits[i]`` positions of each feed, session after session.
+
+        Each ``kvs[i]`` holds ``feeds[i]`` afterwards; a pass that raises leaves every one unchanged."""
+        w = self.w
+        pasts = [kv.length for kv in kvs]
+        fed = [len(feed) for feed in feeds]
+        if not kvs or min(fed) < 1 or any(not 1 <= k <= n for k, n in zip(num_logits, fed)):
+            raise ValueError("every session needs at least one token fed and 1..fed logits")
+        if len({id(kv) for kv in kvs}) != len(kvs):
+            raise ValueError("a session appears twice in one pass")
+        total = sum(fed)
+        device = self.device
+        ids = torch.tensor([token for feed in feeds for token in feed], dtype=torch.long, device=device)
+        starts, keep = [], []
+        start = 0
+        for n, k in zip(fed, num_logits):
+            starts.append(start)
+            keep.extend(range(start + n - k, start + n))
+            start += n
+        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(pasts, fed)]).to(device)
+        for kv, p, n in zip(kvs, pasts, fed):
+            kv.reserve(p + n)
+        freqs = positions[:, None].float() * self._inv_freq[None]
+        cos, sin = freqs.cos()[:, None], freqs.sin()[:, None]  # [T, 1, head_dim / 2]
+        if w.rope_scale != 1.0:
+            cos, sin = cos * w.rope_scale, sin * w.rope_scale
+        cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        mask = self._mask(pasts, fed, starts)
+        backend = self.plan.backend(total)
+        with self.plan.regime(backend):
+            x = F.embedding(ids, w.embed)
+            for index, (layer, qkv_w, o_w, gate_up_w, down_w) in enumerate(self.layers):
+                h = F.rms_norm(x, (w.hidden,), layer.input_norm, w.eps)
+                qkv = backend.mm(h, qkv_w.handles[backend.name])
+                if layer.qkv_bias is not None:
+                    qkv = qkv + layer.qkv_bias
+                attn = self._attention(qkv, cos, sin, mask, kvs, pasts, fed, starts, index)
+                x = x + backend.mm(attn, o_w.handles[backend.name])
+                h = F.rms_norm(x, (w.hidden,), layer.post_norm, w.eps)
+                gate_up = backend.mm(h, gate_up_w.handles[backend.name])
+                act = F.silu(gate_up[:, : w.intermediate]).mul_(gate_up[:, w.intermediate :])
+                x = x + backend.mm(act, down_w.handles[backend.name])
+            rows = x[torch.tensor(keep, device=device)] if len(keep) < total else x
+            h = F.rms_norm(rows, (w.hidden,), w.final_norm, w.eps)
+            logits = backend.mm(h, self.head.handles[backend.name]).float()
+        for kv, p, n in zip(kvs, pasts, fed):  # the pass succeeded: every session now holds its feed
+            kv.length = p + n
+        if self.head_ids is not None:
+            full = torch.full((logits.shape[0], self.logits_width), -torch.inf, device=logits.device)
+            full[:, self.head_ids] = logits
+            logits = full
+        return logits.cpu()
+
+    def _mask(self, pasts, fed, starts) -> torch.Tensor | None:
+        """Bool [G * T, S] (True: attend), rows ordered (group, token); None when every row sees
+        every key (one session feeding one token)."""
+        total = sum(fed)
+        if len(fed) == 1:
+            if fed[0] == 1:
+                return None
+            mask = torch.ones((fed[0], pasts[0] + fed[0]), dtype=torch.bool, device=self.device).tril(pasts[0])
+        else:
+            mask = torch.zeros((total, sum(pasts) + total), dtype=torch.bool, device=self.device)
+            column = 0
+            for p, n, start in zip(pasts, fed, starts):
+                mask[start : start + n, column : column + p + n] = torch.ones(
+                    (n, p + n), dtype=torch.bool, device=self.device).tril(p)
+                column += p + n
+        return mask.repeat(self.groups, 1) if self.groups > 1 else mask
+
+    def _attention(self, qkv, cos, sin, mask, kvs, pasts, fed, starts, index: int) -> torch.Tensor:
+        w = self.w
+        total, dim, kv_heads, groups = qkv.shape[0], w.head_dim, w.kv_heads, self.groups
+        q_and_k = qkv[:, : w.q_width + w.kv_width].view(total, w.heads + kv_heads, dim)
+        half = dim // 2
+        first, second = q_and_k[..., :half], q_and_k[..., half:]
+        rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+        q, k = rotated[:, : w.heads], rotated[:, w.heads :]
+        v = qkv[:, w.q_width + w.kv_width :].view(total, kv_heads, dim)
+        keys, values = [], []
+        for kv, p, n, start in zip(kvs, pasts, fed, starts):
+            kv.keys[index, :, p : p + n] = k[start : start + n].transpose(0, 1)
+            kv.values[index, :, p : p + n] = v[start : start + n].transpose(0, 1)
+            keys.append(kv.keys[index, :, : p + n])
+            values.append(kv.values[index, :, : p + n])
+        if len(kvs) == 1:
+            key, value = keys[0], values[0]
+        else:
+            key, value = torch.cat(keys, dim=1), torch.cat(values, dim=1)
+        # Query head j * G + g shares key/value head j: fold the G heads into the query length.
+        query = q.reshape(total, kv_heads, groups, dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * total, dim)
+        out = F.scaled_dot_product_attention(query[None], key[None], value[None], attn_mask=mask, scale=self.scaling)
+        return out[0].view(kv_heads, groups, total, dim).permute(2, 0, 1, 3).reshape(total, w.q_width)

@@ -1,0 +1,268 @@
+"""Matrix-product backends for the lean runtime, and the table that picks one per row count.
+
+On these CPUs the BLAS behind a product matters more than anything else in a forward
+(docs/benchmarks.md, REFERENCES §9): torch's MKL, oneDNN with weights packed once
+(``Tensor.to_mkldnn``) and numpy's OpenBLAS (on the same memory: ``Tensor.numpy()`` and
+``torch.from_numpy`` copy nothing) each win at some row counts. So the runtime measures them at
+load, on the model's own shapes (every layer's fused QKV, O, fused gate/up and down products plus
+the LM head, 30 distinct weight sets, so nothing sits in cache), per row-count bucket, logs the
+table, and each forward uses the fastest for its row count. A GPU has one backend (torch).
+
+Threads: torch's OpenMP workers spin after each op and starve OpenBLAS's threads (a forward ran
+10x slower with both on 2 threads), so while numpy multiplies, torch runs on one thread and
+OpenBLAS gets torch's thread count (``ThreadRegime``). One threading runtime owns the cores at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 64)  # row counts timed at load; a forward uses the smallest bucket >= its rows
+MEASURE_BUDGET_S = 3.0  # sweeps past the second stop once the table has taken this long
+BACKEND_ENV = "SPECDEC_LEAN_BACKEND"  # torch | mkldnn | numpy: use that one, measure nothing
+
+
+class Backend:
+    """``mm(x, handle)`` = ``x @ W.T`` for ``handle = prepare(W)``; ``W`` is [out, in], fp32."""
+
+    name = "torch"
+    owns_threads = False  # True: torch must run on one thread while this backend multiplies
+
+    def prepare(self, weight: torch.Tensor):
+        return weight
+
+    def mm(self, x: torch.Tensor, handle) -> torch.Tensor:
+        return F.linear(x, handle)
+
+
+class MkldnnBackend(Backend):
+    """oneDNN with the weight reordered once into its own layout."""
+
+    name = "mkldnn"
+
+    def prepare(self, weight: torch.Tensor):
+        return weight.to_mkldnn()
+
+    def mm(self, x: torch.Tensor, handle) -> torch.Tensor:
+        return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), handle, None).to_dense()
+
+
+class NumpyBackend(Backend):
+    """numpy's BLAS (OpenBLAS in numpy's wheels) on the tensors' own memory."""
+
+    name = "numpy"
+    owns_threads = True
+
+    def prepare(self, weight: torch.Tensor):
+        return weight.numpy().T  # [in, out] view of the same memory: the BLAS call transposes
+
+    def mm(self, x: torch.Tensor, handle) -> torch.Tensor:
+        import numpy as np
+
+        return torch.from_numpy(np.matmul(x.contiguous().numpy(), handle))
+
+
+def available_backends(device: torch.device) -> dict[str, Backend]:
+    if device.type != "cpu":
+        return {"torch": Backend()}
+    backends: dict[str, Backend] = {"torch": Backend()}
+    if torch.backends.mkldnn.is_available():
+        backends["mkldnn"] = MkldnnBackend()
+    try:
+        import numpy  # noqa: F401
+
+        backends["numpy"] = NumpyBackend()
+    except ImportError:
+        pass
+    return backends
+
+
+class Linear:
+    """One weight matrix [out, in] and its prepared form for each backend in use."""
+
+    __slots__ = ("weight", "handles")
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+        self.handles: dict[str, object] = {}
+
+    def prepare(self, backends) -> None:
+        for backend in backends:
+            if backend.name not in self.handles:
+                self.handles[backend.name] = backend.prepare(self.weight)
+
+    def drop(self, name: str) -> None:
+        self.handles.pop(name, None)
+
+
+# numpy's OpenBLAS thread count, through its C API (threadpoolctl is not a dependency).
+_OPENBLAS_SETTERS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                     "openblas_set_num_threads64_", "openblas_set_num_threads")
+
+
+_openblas_state: dict = {}
+
+
+def openblas_threads(count: int | None = None) -> int | None:
+    """Set (``count``) and return numpy's OpenBLAS thread count; None where it cannot be reached."""
+    if "lib" not in _openblas_state:
+        _openblas_state["lib"] = _find_openblas()
+    lib = _openblas_state["lib"]
+    if lib is None:
+        return None
+    getter, setter = lib
+    if count is not None and count != _openblas_state.get("count"):
+        setter(int(count))
+        _openblas_state["count"] = int(count)
+    return int(getter())
+
+
+def _find_openblas():
+    try:
+        import numpy  # noqa: F401  (loads its BLAS)
+
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "openblas" in line.lower() and "/" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in _OPENBLAS_SETTERS:
+            setter = getattr(lib, name, None)
+            getter = getattr(lib, name.replace("set_num_threads", "get_num_threads"), None)
+            if setter is not None and getter is not None:
+                setter.argtypes, getter.restype = [ctypes.c_int], ctypes.c_int
+                return getter, setter
+    return None
+
+
+class ThreadRegime:
+    """While a thread-owning backend (numpy) runs a forward: torch on one thread, the BLAS on the
+    threads torch had; restored afterwards."""
+
+    @contextlib.contextmanager
+    def __call__(self, backend: Backend):
+        if not backend.owns_threads:
+            yield
+            return
+        threads = torch.get_num_threads()
+        openblas_threads(threads)  # the BLAS gets torch's share of the cores (a --threads 1 drafter: one)
+        if threads > 1:
+            torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            if threads > 1:
+                torch.set_num_threads(threads)
+
+
+def bucket_of(rows: int, buckets=BUCKETS) -> int:
+    for bucket in buckets:
+        if rows <= bucket:
+            return bucket
+    return buckets[-1]
+
+
+class MatmulPlan:
+    """The backend per row-count bucket, measured at load (or forced by name / ``$SPECDEC_LEAN_BACKEND``)."""
+
+    def __init__(self, linears: list[Linear], device: torch.device, backend: str | None = None,
+                 buckets=BUCKETS, reps: int = 3, timed: list[Linear] | None = None) -> None:
+        """``linears``: every weight of a forward, in forward order; ``timed``: the ones the table
+        times (default all; the loader passes enough layers to overflow the caches, plus the head,
+        which keeps the measurement to a second or two)."""
+        self.linears = linears
+        self.timed = timed or linears
+        self.backends = available_backends(device)
+        self.buckets = tuple(buckets)
+        self.regime = ThreadRegime()
+        self.table: dict[int, dict[str, float]] = {}
+        forced = backend or os.environ.get(BACKEND_ENV) or None
+        if forced and forced != "auto":
+            if forced not in self.backends:
+                raise ValueError(f"matmul backend {forced!r} is not available here ({', '.join(self.backends)})")
+            self.backends = {forced: self.backends[forced]}
+        for linear in linears:
+            linear.prepare(self.backends.values())
+        if len(self.backends) == 1:
+            only = next(iter(self.backends))
+            self.choice = {bucket: only for bucket in self.buckets}
+        else:
+            self.table = self.measure(reps)
+            self.choice = {bucket: min(row, key=row.get) for bucket, row in self.table.items()}
+            for name in set(self.backends) - set(self.choice.values()):  # unused: free its packed copies
+                for linear in linears:
+                    linear.drop(name)
+                del self.backends[name]
+        self._by_rows = {}
+        log.info("lean matmul backends: %s", self.describe())
+
+    def backend(self, rows: int) -> Backend:
+        name = self._by_rows.get(rows)
+        if name is None:
+            name = self._by_rows[rows] = self.choice[bucket_of(rows, self.buckets)]
+        return self.backends[name]
+
+    def prepare(self, linear: Linear) -> None:
+        linear.prepare(self.backends.values())
+
+    @torch.inference_mode()
+    def time_products(self, backend: Backend, rows: int, reps: int = 1, linears: list[Linear] | None = None,
+                      warm: bool = True) -> float:
+        """Seconds (min over ``reps``, after a warm-up run if ``warm``) for the products of ``linears``
+        (default: every one of a forward) over ``rows`` rows."""
+        linears = linears or self.linears
+        inputs = {}
+        for linear in linears:
+            width = linear.weight.shape[1]
+            if width not in inputs:
+                inputs[width] = torch.randn(rows, width, dtype=linear.weight.dtype, device=linear.weight.device)
+        best = float("inf")
+        with self.regime(backend):
+            for rep in range(reps + int(warm)):
+                start = time.perf_counter()
+                for linear in linears:
+                    backend.mm(inputs[linear.weight.shape[1]], linear.handles[backend.name])
+                if linear.weight.device.type == "cuda":
+                    torch.cuda.synchronize()
+                if rep or not warm:
+                    best = min(best, time.perf_counter() - start)
+        return best
+
+    def measure(self, reps: int = 3) -> dict[int, dict[str, float]]:
+        """Per bucket and backend, ms for a whole forward's products (the timed subset's time
+        scaled by the weights' sizes), min over ``reps`` sweeps; each sweep times every cell once,
+        so a burst of load hits all alike (the first sweep also warms each shape up)."""
+        scale = sum(linear.weight.numel() for linear in self.linears) / sum(
+            linear.weight.numel() for linear in self.timed)
+        table: dict[int, dict[str, float]] = {bucket: {} for bucket in self.buckets}
+        began = time.perf_counter()
+        for rep in range(max(reps, 2)):
+            if rep >= 2 and time.perf_counter() - began > MEASURE_BUDGET_S:  # a loaded machine: enough
+                break
+            for bucket in self.buckets:
+                for name, backend in self.backends.items():
+                    seconds = self.time_products(backend, bucket, linears=self.timed, warm=False) * scale
+                    table[bucket][name] = min(table[bucket].get(name, float("inf")), seconds)
+        return table
+
+    def describe(self) -> str:
+        if not self.table:
+            return f"{next(iter(self.choice.values()))} (only one available or forced)"
+        cells = []
+        for bucket, row in self.table.items():
+            times = " ".join(f"{name} {seconds * 1e3:.3g}" for name, seconds in row.items())
+            cells.append(f"{bucket} rows: {times} ms -> {self.choice[bucket]}")
+        return "; ".join(cells)

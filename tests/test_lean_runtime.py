@@ -1,0 +1,237 @@
+"""The lean runtime (specdec/lean/): its logits equal transformers' (fp32, max abs diff <= 1e-4) for
+single sessions decoding incrementally with rollbacks, for ragged batches of sessions of different
+lengths, on every matrix-product backend, for Llama (untied and tied), Qwen2 (QKV biases) and the
+embedded SmolLM2 target; a failed pass leaves every session as it was."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specdec.lean import LeanModel, unsupported_reason
+from specdec.lean.matmul import available_backends
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOLERANCE = 1e-4
+BACKENDS = ["auto", *available_backends(torch.device("cpu"))]
+
+
+def reference_logits(model, tokens: list[int], num_logits: int) -> torch.Tensor:
+    """transformers' logits for the last ``num_logits`` positions of ``tokens``, no cache."""
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([tokens])).logits[0, -num_logits:].float()
+
+
+def fresh_hf(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def built_hf(kind: str):
+    """Tiny random models of the other supported shapes, built from a config (nothing saved)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    torch.manual_seed(3)
+    common = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2)
+    if kind == "qwen2":
+        config = Qwen2Config(**common, tie_word_embeddings=False, use_sliding_window=False)
+    else:  # llama with tied embeddings, no GQA, llama3 RoPE scaling
+        common.update(num_key_value_heads=4)
+        config = LlamaConfig(**common, tie_word_embeddings=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 128})
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if kind == "qwen2":
+        with torch.no_grad():  # biases initialise to zero: make them matter
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tiny_pair):
+    return fresh_hf(tiny_pair[1])
+
+
+def check_incremental(model, lean: LeanModel, rng: random.Random, steps: int = 12, vocab: int | None = None):
+    """One session: prefill, then chunks of 1..5 tokens with rollbacks of 0..3, several logits per step."""
+    vocab = vocab or model.config.vocab_size
+    kv = lean.new_kv()
+    tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 20))]
+    worst = 0.0
+    for step in range(steps):
+        if step:
+            cut = rng.randint(0, min(3, len(tokens) - 1))
+            del tokens[len(tokens) - cut :]
+            kv.crop(len(tokens))  # O(1) rollback: set the length
+            tokens.extend(rng.randrange(vocab) for _ in range(rng.randint(1, 5)))
+        feed = tokens[kv.length :]
+        num = rng.randint(1, len(feed))
+        got = lean.forward([kv], [feed], [num])
+        expected = reference_logits(model, tokens, num)
+        worst = max(worst, float((got - expected).abs().max()))
+        assert kv.length == len(tokens)
+    assert worst <= TOLERANCE, worst
+
+
+def check_ragged(model, lean: LeanModel, rng: random.Random, lengths=(5, 17, 1, 40, 9), steps: int = 8):
+    """Sessions of different lengths in one pass: ragged pasts and feeds, rollbacks, a fresh session joining."""
+    vocab = model.config.vocab_size
+    sequences = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+    kvs = [lean.new_kv() for _ in sequences]
+    worst = 0.0
+    for step in range(steps):
+        if step == steps // 2:
+            kvs[2], sequences[2] = lean.new_kv(), [rng.randrange(vocab)]
+        feeds, nums = [], []
+        for kv, tokens in zip(kvs, sequences):
+            if step and kv.length and rng.random() < 0.5:
+                del tokens[len(tokens) - rng.randint(1, min(2, len(tokens))) :]
+                kv.crop(len(tokens))
+            tokens.extend(rng.randrange(vocab) for _ in range(rng.randint(1 if step else 0, 6)))
+            feed = tokens[kv.length :]
+            feeds.append(feed)
+            nums.append(rng.randint(1, len(feed)))
+        logits = lean.forward(kvs, feeds, nums)
+        assert logits.shape[0] == sum(nums)
+        first = 0
+        for kv, tokens, num in zip(kvs, sequences, nums):
+            expected = reference_logits(model, tokens, num)
+            worst = max(worst, float((logits[first : first + num] - expected).abs().max()))
+            first += num
+            assert kv.length == len(tokens)
+    assert worst <= TOLERANCE, worst
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_single_session_incremental_with_rollback_matches_transformers(backend, tiny_hf):
+    check_incremental(tiny_hf, LeanModel.from_hf(tiny_hf, backend=backend), random.Random(0))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ragged_batch_matches_transformers(backend, tiny_hf):
+    check_ragged(tiny_hf, LeanModel.from_hf(tiny_hf, backend=backend), random.Random(1))
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama_tied_llama3_rope"])
+def test_other_llama_family_shapes_match_transformers(kind):
+    model = built_hf(kind)
+    assert unsupported_reason(model) is None
+    lean = LeanModel.from_hf(model)
+    check_incremental(model, lean, random.Random(2))
+    check_ragged(model, lean, random.Random(3))
+
+
+def test_the_hf_model_shares_the_fused_weights(tiny_hf):
+    """transformers' parameters become views of the fused tensors: one copy, same logits."""
+    lean = LeanModel.from_hf(tiny_hf)
+    attn = tiny_hf.model.layers[0].self_attn
+    assert attn.k_proj.weight.data_ptr() == lean.w.layers[0].qkv[lean.w.q_width :].data_ptr()
+    assert tiny_hf.model.layers[0].mlp.up_proj.weight.untyped_storage().data_ptr() == \
+        lean.w.layers[0].gate_up.untyped_storage().data_ptr()
+
+
+def test_reduced_head_gives_minus_inf_elsewhere(tiny_hf):
+    lean = LeanModel.from_hf(tiny_hf)
+    ids = torch.arange(0, lean.logits_width, 3)
+    lean.restrict_head(ids)
+    tokens = [5, 9, 11, 3]
+    got = lean.forward([lean.new_kv()], [tokens], [2])
+    expected = reference_logits(tiny_hf, tokens, 2)
+    assert torch.isinf(got[:, 1]).all()
+    assert float((got[:, ids] - expected[:, ids]).abs().max()) <= TOLERANCE
+
+
+def test_a_failed_pass_leaves_every_session_unchanged(tiny_hf, monkeypatch):
+    lean = LeanModel.from_hf(tiny_hf, backend="torch")
+    rng = random.Random(4)
+    sequences = [[rng.randrange(300) for _ in range(n)] for n in (4, 11, 7)]
+    kvs = [lean.new_kv() for _ in sequences]
+    lean.forward(kvs, sequences, [1, 1, 1])
+    original = LeanModel._attention
+
+    def failing(self, *args):
+        if args[-1] == 1:  # the second layer, after the first wrote every session's new keys
+            raise RuntimeError("out of memory")
+        return original(self, *args)
+
+    monkeypatch.setattr(LeanModel, "_attention", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        lean.forward(kvs, [[1, 2]] * 3, [2, 2, 2])
+    monkeypatch.undo()
+    for kv, tokens in zip(kvs, sequences):
+        assert kv.length == len(tokens)
+        got = lean.forward([kv], [[5]], [1])
+        assert float((got - reference_logits(tiny_hf, tokens + [5], 1)).abs().max()) <= TOLERANCE
+
+
+def test_unsupported_models_are_named():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    assert "model type" in unsupported_reason(model)
+
+
+@pytest.mark.embedded
+def test_embedded_target_matches_transformers_on_real_prompts(embedded_target):
+    lm = embedded_target
+    model = lm.model
+    lean = getattr(lm, "lean", None) or LeanModel.from_hf(model)
+    texts = ["List three facts about the moon, one per line.",
+             "def is_palindrome(text: str) -> bool:\n    return text == text[::-1]\n",
+             "Speculative decoding drafts tokens cheaply and verifies them in one pass of the target."]
+    prompts = [lm.tokenizer(text)["input_ids"] for text in texts]
+    # One session: prefill, then decode greedily token by token, with a rollback of two and a 4-token block.
+    kv = lean.new_kv()
+    tokens = list(prompts[0])
+    worst = float((lean.forward([kv], [tokens], [3]) - reference_logits(model, tokens, 3)).abs().max())
+    for step in range(6):
+        if step == 3:
+            del tokens[-2:]
+            kv.crop(len(tokens))
+            tokens.extend([28, 253, 30, 1037])
+        else:
+            tokens.append(int(reference_logits(model, tokens, 1).argmax()))
+        feed = tokens[kv.length :]
+        got = lean.forward([kv], [feed], [len(feed)])
+        worst = max(worst, float((got - reference_logits(model, tokens, len(feed))).abs().max()))
+    # A ragged batch: the three prompts' next blocks in one pass.
+    kvs = [lean.new_kv() for _ in prompts]
+    lean.forward(kvs, [p[:-3] for p in prompts], [1, 1, 1])
+    logits = lean.forward(kvs, [p[-3:] for p in prompts], [3, 2, 1])
+    first = 0
+    for prompt, num in zip(prompts, (3, 2, 1)):
+        worst = max(worst, float((logits[first : first + num] - reference_logits(model, prompt, num)).abs().max()))
+        first += num
+    assert worst <= TOLERANCE, worst
+
+
+def test_load_model_wires_the_lean_runtime_into_sessions_and_batched_passes(tiny_pair):
+    """``load_model(runtime="lean")``: KV sessions and ragged passes run the lean forward, with the
+    logits of transformers' (the ``hf`` runtime, same weights), rollback included."""
+    from specdec.kv import KVSession
+    from specdec.models import load_model
+    from specdec.ragged import ForwardRow, batched_forward
+
+    lean, hf = (load_model(str(tiny_pair[1]), device="cpu", runtime=r) for r in ("lean", "hf"))
+    assert lean.lean is not None and hf.lean is None
+    prompts = [[5, 9, 14, 3, 22, 7], [11, 4, 8], [30, 2, 2, 9, 17]]
+    outputs = {}
+    for name, lm in (("lean", lean), ("hf", hf)):
+        sessions = [KVSession(lm) for _ in prompts]
+        first = [s.forward(p, 1) for s, p in zip(sessions, prompts)]
+        sessions[0].rollback(4)  # drop two tokens, then feed others in a batched pass
+        fed = [prompts[0][:4] + [40, 41], prompts[1] + [6], prompts[2] + [12, 13]]
+        rows = [ForwardRow(s, tokens, 2) for s, tokens in zip(sessions, fed)]
+        outputs[name] = first + batched_forward(lm, rows)
+        for s in sessions:
+            s.close()
+    for got, want in zip(outputs["lean"], outputs["hf"]):
+        assert (got - want).abs().max().item() <= 1e-4
