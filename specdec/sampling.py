@@ -13,8 +13,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specdec.randomness import DrawKey, position_keys  # noqa: F401  (re-exported for callers)
-
 DEFAULT_DRAFT_TOP_K = 64
 
 # Independent random streams per position: draft sampling and verification never share draws.

@@ -9,12 +9,12 @@ from specdec.acceptance import AcceptanceResult, accept_greedy, accept_speculati
 from specdec.kv import KVSession
 from specdec.lm import LoadedModel
 from specdec.ragged import BatchInfo, ForwardRow, batched_forward
+from specdec.randomness import position_keys
 from specdec.sampling import (
     STREAM_VERIFY,
     DraftProposal,
     SamplingParams,
     greedy_tokens,
-    position_keys,
     process_logits,
 )
 
