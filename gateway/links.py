@@ -17,6 +17,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from specdec.rpc import convert
+from specdec.rpc.server import REQUEST_STATUSES
 from specdec.sampling import DraftProposal, SamplingParams
 from specdec.v1 import drafter_pb2, verifier_pb2
 from specdec.verification import Verdict
@@ -339,14 +340,6 @@ class RemoteDrafter:
         await _close(self.call, self._reader)
 
 
-# Statuses that mean "this verifier (or its session) is gone or will not serve us", not "this
-# request is bad" (a refused service credential is the deployment's fault, never the client's).
-_MIGRATABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-               grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED, grpc.StatusCode.DATA_LOSS,
-               grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED,
-               grpc.StatusCode.PERMISSION_DENIED}
-
-
 class VerifierUnavailable(StreamLost):
     """The verifier's stream broke and no other replica could take the session over."""
 
@@ -355,7 +348,8 @@ class MigratingVerifier:
     """``VerifierLink`` that survives the loss of its verifier while another replica is ready.
 
     It tracks the committed text (prompt + tokens so far). When the stream breaks (any lost stream,
-    see the module's docstring, or a status in ``_MIGRATABLE``), it opens a session on another
+    see the module's docstring, or a status that is not about the request: anything outside
+    ``REQUEST_STATUSES``, a refused service credential included), it opens a session on another
     replica whose prompt is that committed text; the new session's prefill yields the next token,
     exactly the token plain decoding would produce there (random draws are keyed by absolute
     position, so sampling continues identically distributed). The round whose drafts were in
@@ -411,7 +405,7 @@ class MigratingVerifier:
             try:
                 return await operation()
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in _MIGRATABLE:
+                if exc.code() in REQUEST_STATUSES:
                     raise
                 error: BaseException = exc
             except asyncio.CancelledError:

@@ -104,15 +104,18 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         # What says something about the request (or its deadline) passes on; a peer that failed,
         # vanished or refused us (UNAUTHENTICATED there is our credential, not the client's) is
         # the service being unavailable, never INTERNAL (that is for bugs here).
-        return code if code in _PASSED_ON else grpc.StatusCode.UNAVAILABLE
+        return code if code in REQUEST_STATUSES else grpc.StatusCode.UNAVAILABLE
     if isinstance(exc, ConnectionError):  # a peer's stream or connection was lost
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
 
 
-_PASSED_ON = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION,
-                        grpc.StatusCode.OUT_OF_RANGE})
+# The statuses of a downstream call that describe the request (its input, its deadline, the load it
+# met), not the peer: a gateway passes them on to its client and does not move the session to
+# another replica for them. Any other status means the peer failed, vanished or refused us.
+REQUEST_STATUSES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION,
+                              grpc.StatusCode.OUT_OF_RANGE})
 
 
 def _error_message(exc: BaseException) -> str:
