@@ -177,6 +177,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.genai_metrics = telemetry.GenAIMetrics(runtime.registry, self.telemetry)
         self.model_name = ""  # gen_ai.request.model: the gateway's --target
         self.active = 0
+        self.waiting = 0  # requests admitted that wait for a ready verifier (they count against max_sessions)
         self.eos_token_ids: tuple[int, ...] = ()
         self.max_positions = 1 << 30
         # Warm starts for adaptive draft lengths, per (draft method, draft model, target model).
@@ -301,7 +302,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         return (field, value), params, method, k, draft_ahead
 
     def _admit(self) -> None:
-        if self.active >= self.limits.max_sessions:
+        if self.active + self.waiting >= self.limits.max_sessions:
             self.metrics.rejected.labels("gateway", "RESOURCE_EXHAUSTED").inc()
             raise Overloaded(f"gateway at capacity ({self.limits.max_sessions} concurrent requests)")
 
@@ -330,10 +331,14 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         remaining = context.time_remaining()
         wait_s = self.limits.verifier_wait_s if remaining is None else min(self.limits.verifier_wait_s, remaining)
         deadline = asyncio.get_running_loop().time() + wait_s
-        while not self.verifiers.ready():
-            if asyncio.get_running_loop().time() >= deadline:
-                raise NotReady(f"no verifier is ready (waited {wait_s:.0f} s)")
-            await asyncio.sleep(poll_s)
+        self.waiting += 1
+        try:
+            while not self.verifiers.ready():
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise NotReady(f"no verifier is ready (waited {wait_s:.0f} s)")
+                await asyncio.sleep(poll_s)
+        finally:
+            self.waiting -= 1
 
     async def _generate(self, request, context, obs: telemetry.RequestTelemetry):
         try:
