@@ -146,6 +146,16 @@ def parse_allowed_peers(values=None) -> tuple[str, ...]:
     return tuple(name.strip() for value in values for name in value.split(",") if name.strip())
 
 
+def peer_host(peer: str) -> str:
+    """The client host of a gRPC ``context.peer()`` string: ``ipv4:10.0.0.7:51234`` -> ``ipv4:10.0.0.7``,
+    ``ipv6:[::1]:51234`` (or its percent-encoded form) -> ``ipv6:[::1]``. Other transports (``unix:``)
+    are kept whole: they name no port."""
+    scheme, _, rest = peer.partition(":")
+    if scheme in ("ipv4", "ipv6") and ":" in rest:
+        return f"{scheme}:{rest.rpartition(':')[0]}"
+    return peer
+
+
 def presented_service_token(metadata) -> bytes | None:
     for key, value in metadata or ():
         if key == SERVICE_TOKEN_HEADER:
@@ -206,7 +216,7 @@ class _RefusalLog:
         self._last: dict[tuple[str, str], float] = {}
 
     def note(self, context, method: str, reason: str) -> None:
-        host = context.peer().rsplit(":", 1)[0]
+        host = peer_host(context.peer())
         now = time.monotonic()
         if now - self._last.get((host, reason), -self.every_s) >= self.every_s:
             if len(self._last) > 1024:

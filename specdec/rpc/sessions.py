@@ -7,6 +7,7 @@ import uuid
 
 from specdec import telemetry
 from specdec.rpc.scheduler import BatchingOptions, BatchScheduler
+from specdec.rpc.security import peer_host
 from specdec.rpc.server import Overloaded, SessionNotFound
 from specdec.telemetry import ServiceMetrics
 
@@ -18,16 +19,6 @@ def validate_session_id(session_id: str) -> None:
     """``ValueError`` naming ``session_id`` when it is longer than ``MAX_SESSION_ID_CHARS``."""
     if len(session_id) > MAX_SESSION_ID_CHARS:
         raise ValueError(f"session_id: {len(session_id)} characters exceed the limit of {MAX_SESSION_ID_CHARS}")
-
-
-def peer_host(peer: str) -> str:
-    """The client host of a gRPC ``context.peer()`` string: ``ipv4:10.0.0.7:51234`` -> ``ipv4:10.0.0.7``,
-    ``ipv6:[::1]:51234`` (or its percent-encoded form) -> ``ipv6:[::1]``. Other transports (``unix:``)
-    are kept whole: they name no port."""
-    scheme, _, rest = peer.partition(":")
-    if scheme in ("ipv4", "ipv6") and ":" in rest:
-        return f"{scheme}:{rest.rpartition(':')[0]}"
-    return peer
 
 
 class SessionRegistry:
