@@ -102,7 +102,11 @@ class LocalStack:
         if self.proc is None:
             return found
         for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
-            for child in (task / "children").read_text().split():
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:  # that thread ended between the listing and the read
+                continue
+            for child in children:
                 try:
                     argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
                 except OSError:  # exited meanwhile
