@@ -5,6 +5,10 @@ as target-only decoding would: the completion ends at the first EOS / stop token
 ``token_ids``, like ``generate``), at the token whose text completes a stop string (the token is
 kept; the text is cut before the stop string), or at ``max_new_tokens``. Nothing after the stop is
 emitted or counted.
+
+Text is decoded incrementally (``IncrementalDecoder``): each token costs a decode of a window of a
+few tokens, never of the whole completion, so a long stream does not slow down the event loop that
+every stream shares. Stop strings are searched only in the text not yet sent to the client.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ from specdec.sampling import SamplingParams
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
+INCOMPLETE = "\ufffd"  # what an incomplete UTF-8 sequence decodes to until its last byte arrives
+DECODE_CONTEXT = 8  # at most this many settled tokens are decoded again as a new token's left context
+MAX_PENDING = 8  # a UTF-8 character spans at most 4 byte tokens: past this many, text is settled as is
 
 
 @dataclass(frozen=True)
@@ -23,6 +30,58 @@ class Chunk:
 
     token_ids: list[int]
     text: str
+
+
+class IncrementalDecoder:
+    """The text of a growing list of token ids, one token at a time, over a bounded window.
+
+    Invariant: ``"".join(pieces)`` is the text of ``ids[:read]``, and ``ids[prefix:read]`` is
+    the left context decoded again with each new token (a tokenizer may render a token
+    differently after its neighbour, e.g. a leading space). A token whose bytes end in an
+    incomplete UTF-8 character adds nothing until the character completes (or ``MAX_PENDING``
+    tokens have passed; ``flush`` at the end releases whatever is left). The window restarts at
+    every token that settled text and keeps at most ``DECODE_CONTEXT`` settled tokens (tokens
+    that render as nothing, such as skipped special tokens, would otherwise widen it), so it
+    spans a few tokens, not the completion.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.pieces: list[str] = []
+        self.prefix = 0
+        self.read = 0
+
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self.tokenizer.decode(self.ids[start:end], skip_special_tokens=True)
+
+    def push(self, token: int) -> str:
+        """Append ``token``; the text it settles (maybe empty)."""
+        self.ids.append(token)
+        settled = self._decode(self.prefix, self.read) if self.read > self.prefix else ""
+        window = self._decode(self.prefix)
+        waiting = window.endswith(INCOMPLETE) or not window.startswith(settled)
+        if waiting and len(self.ids) - self.read < MAX_PENDING:
+            return ""  # wait for the rest of the character (or for the tokenizer to settle)
+        added = window[len(settled):]
+        self.prefix, self.read = (self.read, len(self.ids)) if added else (self.prefix, len(self.ids))
+        self.prefix = max(self.prefix, self.read - DECODE_CONTEXT)
+        if added:
+            self.pieces.append(added)
+        return added
+
+    def flush(self) -> str:
+        """The text of the tokens still pending (an incomplete character decodes as U+FFFD)."""
+        settled = self._decode(self.prefix, self.read) if self.read > self.prefix else ""
+        added = self._decode(self.prefix)[len(settled):]
+        self.prefix = self.read = len(self.ids)
+        if added:
+            self.pieces.append(added)
+        return added
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
 
 class CompletionBuilder:
@@ -37,8 +96,9 @@ class CompletionBuilder:
         self.stop_token_ids = frozenset(stop_ids)
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
-        self._emitted_text = ""
-        self._final_text: str | None = None  # set once a stop string cut the text
+        self._decoder = IncrementalDecoder(tokenizer)
+        self._unsent = ""  # decoded text not yet sent: held back as a possible stop string's start
+        self._final_text: str | None = None  # set once the completion finished
 
     @property
     def finished(self) -> bool:
@@ -46,15 +106,11 @@ class CompletionBuilder:
 
     @property
     def text(self) -> str:
-        return self._final_text if self._final_text is not None else self._decode()
+        """The completion's text: everything decoded so far, or (finished) cut before a stop string."""
+        return self._final_text if self._final_text is not None else self._decoder.text
 
-    def _decode(self) -> str:
-        return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-
-    def _stop_string_cut(self, text: str, search_from: int) -> int | None:
-        cuts = [
-            i for s in self.params.stop if (i := text.find(s, max(0, search_from - len(s) + 1))) >= 0
-        ]
+    def _earliest_stop(self, text: str) -> int | None:
+        cuts = [i for s in self.params.stop if (i := text.find(s)) >= 0]
         return min(cuts) if cuts else None
 
     def add(self, tokens: list[int]) -> Chunk:
@@ -62,42 +118,38 @@ class CompletionBuilder:
         if self.finished:
             return Chunk([], "")
         accepted: list[int] = []
-        previous_text = self._decode() if self.params.stop else ""
+        cut = None
         for token in tokens:
-            self.token_ids.append(int(token))
-            accepted.append(int(token))
-            if int(token) in self.stop_token_ids:
+            token = int(token)
+            self.token_ids.append(token)
+            accepted.append(token)
+            self._unsent += self._decoder.push(token)
+            if token in self.stop_token_ids:
                 self.finish_reason = FINISH_STOP
             elif self.params.stop:
-                text = self._decode()
-                # A trailing U+FFFD is an incomplete UTF-8 character that this token may have
-                # completed in place, so a stop string may end there: search from before it.
-                cut = self._stop_string_cut(text, len(previous_text.rstrip("\ufffd")))
+                # A stop string cannot begin in text already sent (its start would have been held
+                # back) nor lie wholly in text searched before, so the unsent text is enough.
+                cut = self._earliest_stop(self._unsent)
                 if cut is not None:
-                    self._final_text = text[:cut]
                     self.finish_reason = FINISH_STOP
-                previous_text = text
             if not self.finished and len(self.token_ids) >= self.params.max_new_tokens:
                 self.finish_reason = FINISH_LENGTH
             if self.finished:
                 break
-        return Chunk(accepted, self._text_delta())
-
-    def _text_delta(self) -> str:
-        if self._final_text is not None:
-            safe = self._final_text
+        if self.finished:
+            if cut is None:
+                self._unsent += self._decoder.flush()
+                self._final_text = self._decoder.text
+                delta = self._unsent
+            else:
+                delta = self._unsent[:cut]
+                full = self._decoder.text
+                self._final_text = full[: len(full) - len(self._unsent) + cut]
+            self._unsent = ""
         else:
-            safe = self._decode()
-            if not self.finished:
-                # An incomplete UTF-8 sequence decodes to U+FFFD until its last byte arrives.
-                safe = safe.rstrip("\ufffd")
-                safe = safe[: len(safe) - self._stop_prefix_overlap(safe)]
-        if not safe.startswith(self._emitted_text):
-            # The tokenizer re-merged earlier text; never retract what the client has.
-            return ""
-        delta = safe[len(self._emitted_text):]
-        self._emitted_text = safe
-        return delta
+            held = self._stop_prefix_overlap(self._unsent)
+            delta, self._unsent = self._unsent[: len(self._unsent) - held], self._unsent[len(self._unsent) - held:]
+        return Chunk(accepted, delta)
 
     def _stop_prefix_overlap(self, text: str) -> int:
         """Length of the longest tail of ``text`` that could begin a stop string (held back)."""

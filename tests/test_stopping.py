@@ -466,3 +466,43 @@ def test_builder_stop_string_ending_in_a_split_character(tok, stop):
     assert builder.text == expected == "".join(deltas)
     n = len(builder.token_ids)
     assert stop in decode(tok, ids[:n]) and stop not in decode(tok, ids[: n - 1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Incremental detokenization: bounded work per token, the same text as a full decode
+
+LONG_TEXTS = [
+    MULTIBYTE * 3,
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\n# 日本語 🎉🎉 done",
+    " leading spaces,   runs of   spaces\tand\ttabs\n\n\nand newlines ü→∑ ",
+]
+
+
+class CountingTokenizer:
+    """A tokenizer whose ``decode`` records how many ids each call covers."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.widths = tokenizer, []
+
+    def decode(self, ids, **kwargs):
+        self.widths.append(len(ids))
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+@pytest.mark.parametrize("which", ["tiny", "embedded"])
+def test_incremental_text_equals_the_full_decode_with_bounded_windows(which, tiny_target, embedded_target):
+    tokenizer = (tiny_target if which == "tiny" else embedded_target).tokenizer
+    special = tokenizer.eos_token_id
+    for text in LONG_TEXTS:
+        ids = encode(tokenizer, text) * 20  # a long completion: ~1-2k tokens
+        ids[len(ids) // 3 : len(ids) // 3] = [special] * 40  # skipped special tokens (ignore_eos)
+        counting = CountingTokenizer(tokenizer)
+        builder = CompletionBuilder(counting, SamplingParams(max_new_tokens=len(ids), ignore_eos=True, stop=("never",)))
+        deltas = [c.text for c in feed(builder, ids, [1 + i % 5 for i in range(len(ids))][: len(ids)])]
+        full = tokenizer.decode(ids, skip_special_tokens=True)
+        assert builder.finish_reason == FINISH_LENGTH
+        assert "".join(deltas) == builder.text == full
+        assert all("\ufffd" not in d for d in deltas)
+        # Each token costs decodes of a few tokens, never of the completion so far.
+        assert len(ids) > 500 and max(counting.widths) <= 16, max(counting.widths)
+        assert len(counting.widths) <= 2 * len(ids) + 2
