@@ -31,6 +31,11 @@ class DraftSession(ABC):
     def __init__(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.tokens: list[int] = list(prompt_ids)
         self.params = params
+        self.assumed = 0  # trailing tokens of ``tokens`` that draft-ahead assumes, not yet committed
+
+    @property
+    def committed_length(self) -> int:
+        return len(self.tokens) - self.assumed
 
     def extend(self, committed: list[int]) -> None:
         """Tokens the verifier committed since the last call (accepted drafts + recovered/bonus)."""
@@ -52,10 +57,11 @@ class DraftSession(ABC):
         """
         committed = self.tokens
         self.tokens = committed + [int(t) for t in in_flight]
+        self.assumed = len(in_flight)
         try:
             block = self.propose(num_draft_tokens + 1)
         finally:
-            self.tokens = committed
+            self.tokens, self.assumed = committed, 0
         if len(block) == 0:
             return None
         rest = DraftProposal(block.draft_tokens[1:], None if block.draft_probs is None else block.draft_probs[1:])
@@ -90,7 +96,7 @@ class ModelDraftSession(DraftSession):
         self.kv = KVSession(lm)
 
     def prefill(self) -> None:
-        self.kv.forward(self.tokens, 1)
+        self.kv.forward(self.tokens, 1, self.committed_length)
 
     def propose(self, num_draft_tokens: int) -> DraftProposal:
         return draft_together(self.lm, [(self, num_draft_tokens)])[0]
@@ -118,7 +124,8 @@ def draft_together(lm: LoadedModel, requests: list[tuple[ModelDraftSession, int]
     probs = [None if session.params.greedy else [] for session, _ in requests]
     active = [i for i, (_, k) in enumerate(requests) if k > 0]
     while active:
-        rows = [ForwardRow(requests[i][0].kv, requests[i][0].tokens + drafts[i], 1) for i in active]
+        rows = [ForwardRow(session.kv, session.tokens + drafts[i], 1, session.committed_length)
+                for i in active for session in (requests[i][0],)]
         for i, logits in zip(active, batched_forward(lm, rows)):
             requests[i][0]._draft_from(logits, drafts[i], probs[i])
         active = [i for i in active if len(drafts[i]) < requests[i][1]]

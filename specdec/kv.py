@@ -105,12 +105,18 @@ class KVSession:
     first rolls the cache back to the longest prefix it shares with that list, so the accepted
     prefix is never recomputed and rejected drafts are dropped: after a verification only the
     recovered/bonus token (plus new drafts) is fed.
+
+    Work per forward does not grow with the context: a caller says how many leading tokens of
+    its list are committed (``committed``: they never change, so the next forward need not
+    compare them), the prefix is compared only from the last forward's committed length on (the
+    drafts and tokens committed since), and ``cached_tokens`` changes only at its tail.
     """
 
     def __init__(self, lm: LoadedModel) -> None:
         self.lm = lm
         self.cache = new_session_cache(lm)
         self.cached_tokens: list[int] = []
+        self.committed = 0  # leading cached tokens that are committed (equal in every later token list)
 
     def __len__(self) -> int:
         return len(self.cached_tokens)
@@ -121,6 +127,7 @@ class KVSession:
         if excess > 0:
             self.cache.crop(-excess)
             del self.cached_tokens[length:]
+        self.committed = min(self.committed, length)
 
     def rollback_to(self, length: int) -> None:
         """Make cache and ``cached_tokens`` agree on the first ``length`` positions (after a failed
@@ -128,6 +135,7 @@ class KVSession:
         if isinstance(self.cache, LeanKV):  # a failed lean pass never moved the length; a rollback may
             self.cache.crop(min(self.cache.length, length))
             del self.cached_tokens[length:]
+            self.committed = min(self.committed, length)
             return
         for layer in self.cache.layers if self.cache is not None else ():
             if isinstance(layer, GrowingKVLayer):
@@ -135,18 +143,28 @@ class KVSession:
             elif hasattr(layer, "get_seq_length") and layer.get_seq_length() > length:
                 layer.crop(length - layer.get_seq_length())  # transformers' layers: drop that many
         del self.cached_tokens[length:]
+        self.committed = min(self.committed, length)
 
     def prepare(self, tokens: list[int], num_logits: int) -> list[int]:
         """Roll back to the prefix ``tokens`` shares with the cache (leaving ``num_logits`` positions
         to compute) and return the tokens still to feed."""
         if not 1 <= num_logits <= len(tokens):
             raise ValueError("num_logits must be between 1 and len(tokens)")
-        keep = min(common_prefix_length(self.cached_tokens, tokens), len(tokens) - num_logits)
+        limit = len(tokens) - num_logits
+        start = min(self.committed, len(self.cached_tokens), limit)  # tokens[:start] are the cache's
+        keep = start + common_prefix_length(self.cached_tokens[start:limit], tokens[start:limit])
         self.rollback(keep)
         return tokens[keep:]
 
-    def forward(self, tokens: list[int], num_logits: int = 1) -> torch.Tensor:
-        """Logits (fp32, [num_logits, V]) for the last ``num_logits`` positions of ``tokens``.
+    def fed(self, feed: list[int], committed: int) -> None:
+        """After a successful pass over ``feed``: the cache holds it too; ``committed`` leading
+        tokens of the pass's token list are committed (see the class docstring)."""
+        self.cached_tokens.extend(feed)
+        self.committed = min(committed, len(self.cached_tokens))
+
+    def forward(self, tokens: list[int], num_logits: int = 1, committed: int = 0) -> torch.Tensor:
+        """Logits (fp32, [num_logits, V]) for the last ``num_logits`` positions of ``tokens``, whose
+        first ``committed`` tokens are committed (0: nothing is promised; the whole prefix is compared).
 
         A forward that fails part-way (some layers grew, others not) leaves the cache where it was
         before the new tokens, as a failed batched pass does."""
@@ -157,7 +175,7 @@ class KVSession:
         except BaseException:
             self.rollback_to(kept)
             raise
-        self.cached_tokens = list(tokens)
+        self.fed(feed, committed)
         return logits
 
     @property
@@ -174,3 +192,4 @@ class KVSession:
     def close(self) -> None:
         self.cache = None
         self.cached_tokens = []
+        self.committed = 0

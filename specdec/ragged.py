@@ -36,18 +36,20 @@ RAGGED_ATTENTION = "specdec_ragged_sdpa"
 @dataclass
 class ForwardRow:
     """One session's part of a pass: the full token list it wants logits for (the cache supplies
-    what it already holds) and how many trailing positions need logits."""
+    what it already holds), how many trailing positions need logits, and how many leading tokens
+    are committed (never change: later passes skip comparing them with the cache; 0 promises nothing)."""
 
     kv: KVSession
     tokens: list[int]
     num_logits: int = 1
+    committed: int = 0
 
 
 def batched_forward(lm: LoadedModel, rows: Sequence[ForwardRow]) -> list[torch.Tensor]:
     """Logits (fp32, [num_logits, V]) per row, from one forward pass of ``lm`` over all rows.
 
     Invariant: afterwards each row's KV session holds exactly ``row.tokens``, as after
-    ``row.kv.forward(row.tokens, row.num_logits)``, and the returned logits are that call's.
+    ``row.kv.forward(row.tokens, row.num_logits, row.committed)``, and the returned logits are that call's.
     Models without the ragged attention (or caches of other layer kinds) run row by row.
 
     The rows' new tokens are packed into one sequence (row after row, each at its own positions):
@@ -58,7 +60,7 @@ def batched_forward(lm: LoadedModel, rows: Sequence[ForwardRow]) -> list[torch.T
     if len(rows) > 1 and lm.lean is not None and all(row.kv.lean_cache is not None for row in rows):
         return _lean_batched_forward(lm, rows)
     if len(rows) == 1 or not lm.ragged_attention or any(row.kv.growing_layers is None for row in rows):
-        return [row.kv.forward(row.tokens, row.num_logits) for row in rows]
+        return [row.kv.forward(row.tokens, row.num_logits, row.committed) for row in rows]
     feeds = [row.kv.prepare(row.tokens, row.num_logits) for row in rows]
     past_lengths = [len(row.kv) for row in rows]
     fed = [len(feed) for feed in feeds]
@@ -83,10 +85,10 @@ def batched_forward(lm: LoadedModel, rows: Sequence[ForwardRow]) -> list[torch.T
         raise
     out = []
     first = 0
-    for row in rows:
+    for row, feed in zip(rows, feeds):
         out.append(logits[0, first : first + row.num_logits])
         first += row.num_logits
-        row.kv.cached_tokens = list(row.tokens)
+        row.kv.fed(feed, row.committed)
     return out
 
 
@@ -97,10 +99,10 @@ def _lean_batched_forward(lm: LoadedModel, rows: Sequence[ForwardRow]) -> list[t
     logits = lm.lean.forward([row.kv.lean_cache for row in rows], feeds, [row.num_logits for row in rows])
     out = []
     first = 0
-    for row in rows:
+    for row, feed in zip(rows, feeds):
         out.append(logits[first : first + row.num_logits])
         first += row.num_logits
-        row.kv.cached_tokens = list(row.tokens)
+        row.kv.fed(feed, row.committed)
     return out
 
 

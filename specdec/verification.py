@@ -59,12 +59,12 @@ class TargetSession:
 
     def verify(self, proposal: DraftProposal) -> Verdict:
         row = self.forward_row(proposal)
-        return self.commit(proposal, row.kv.forward(row.tokens, row.num_logits))
+        return self.commit(proposal, row.kv.forward(row.tokens, row.num_logits, row.committed))
 
     def forward_row(self, proposal: DraftProposal) -> ForwardRow:
         """The forward this verification needs: the pending token and the drafts, k + 1 logits."""
         drafts = [int(t) for t in proposal.draft_tokens]
-        return ForwardRow(self.kv, self.tokens + drafts, len(drafts) + 1)
+        return ForwardRow(self.kv, self.tokens + drafts, len(drafts) + 1, committed=len(self.tokens))
 
     def commit(self, proposal: DraftProposal, logits) -> Verdict:
         """Accept or reject ``proposal`` given the target's logits at its k + 1 positions."""
@@ -151,7 +151,7 @@ class PrefillChunk:
     end: int
 
     def forward_row(self) -> ForwardRow:
-        return ForwardRow(self.session.kv, self.session.tokens[: self.end], 1)
+        return ForwardRow(self.session.kv, self.session.tokens[: self.end], 1, committed=self.end)
 
 
 VerifyJob = tuple[TargetSession, DraftProposal] | PrefillChunk

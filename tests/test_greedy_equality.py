@@ -16,6 +16,7 @@ import torch
 from specdec.drafters import ModelDrafter, NgramDrafter, ScriptedDrafter
 from specdec.completion import CompletionBuilder
 from specdec.engine import LocalDrafter, LocalVerifier, collect, generate, run_sync
+from specdec import kv as kv_module
 from specdec.kv import KVSession
 from specdec.local import LocalEngine
 from specdec.policy import DraftLengthPolicy, FixedDraftLength, RoundObservation
@@ -326,6 +327,13 @@ def test_verification_feeds_only_the_new_suffix(tiny_target, tiny_noisy_draft, r
 
     monkeypatch.setattr(tiny_target, "forward", recording(tiny_target, "target"))
     monkeypatch.setattr(tiny_noisy_draft, "forward", recording(tiny_noisy_draft, "draft"))
+    compared: list[int] = []  # tokens each forward compares with its cache: what changed since, not the context
+
+    def comparing(cached, tokens, original=kv_module.common_prefix_length):
+        compared.append(min(len(cached), len(tokens)))
+        return original(cached, tokens)
+
+    monkeypatch.setattr(kv_module, "common_prefix_length", comparing)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     ids, reference = references[1]
     k = 4
@@ -349,6 +357,7 @@ def test_verification_feeds_only_the_new_suffix(tiny_target, tiny_noisy_draft, r
         partial_rounds += 0 < verdict.num_accepted < k
     assert target.tokens[len(ids) : len(ids) + NEW_TOKENS] == reference
     assert partial_rounds > 0
+    assert len(target.tokens) > 2 * (k + 2) and max(compared) <= k + 2, max(compared)
     target.close()
     drafter.close()
 
