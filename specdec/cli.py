@@ -31,7 +31,7 @@ def _add_dtype_flag(p: argparse.ArgumentParser) -> None:
                    help="model weights' dtype (default $SPECDEC_DTYPE, else auto: fp32 on CPU, bf16 on GPU)")
     p.add_argument("--runtime", choices=["auto", "lean", "hf"], default=None,
                    help="model forward: lean (specdec's own, Llama-family fp32 models), hf (transformers') or "
-                        "auto (lean where supported); default $SPECDEC_RUNTIME, else hf")
+                        "auto (lean where supported); default $SPECDEC_RUNTIME, else auto")
 
 
 def _apply_dtype(args) -> None:

@@ -77,15 +77,14 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 RUNTIME_ENV = "SPECDEC_RUNTIME"  # lean | hf | auto (set by --runtime; child processes inherit it)
 RUNTIMES = ("auto", "lean", "hf")
+DEFAULT_RUNTIME = "auto"  # the lean runtime where it supports the model, transformers' forward elsewhere
 
 
 def _lean_runtime(model, runtime: str | None, name: str):
     """The ``specdec.lean.LeanModel`` for ``model`` when ``runtime`` (default ``$SPECDEC_RUNTIME``,
-    else hf) asks for it and the model is one it runs; None means transformers' forward.
+    else ``DEFAULT_RUNTIME``) asks for it and the model is one it runs; None means transformers' forward.
     ``lean`` on a model it cannot run is a ``ModelLoadError``; ``auto`` falls back and logs why."""
-    # hf stays the default until the lean runtime's load-time backend measurement is bounded on a busy
-    # host and it has run the benchmarks end to end (docs/benchmarks.md, "A lean forward").
-    runtime = runtime or os.environ.get(RUNTIME_ENV) or "hf"
+    runtime = runtime or os.environ.get(RUNTIME_ENV) or DEFAULT_RUNTIME
     if runtime not in RUNTIMES:
         raise ModelLoadError(f"runtime {runtime!r}: choose from {', '.join(RUNTIMES)}")
     if runtime == "hf":
@@ -98,7 +97,7 @@ def _lean_runtime(model, runtime: str | None, name: str):
             raise ModelLoadError(f"{name}: the lean runtime cannot run it: {reason}")
         log.info("%s: transformers' forward (the lean runtime does not support %s)", name, reason)
         return None
-    lean = LeanModel.from_hf(model)
+    lean = LeanModel.from_hf(model, table_dir=cache_dir() / "lean-matmul")
     log.info("%s: lean runtime", name)
     return lean
 
@@ -234,7 +233,7 @@ def load_model(
     """Load a Hugging Face causal LM by hub id or local directory (safetensors only).
 
     ``runtime``: ``lean`` (``specdec.lean``: Llama-family models, fp32), ``hf`` (transformers'
-    forward) or ``auto`` (lean where supported); default ``$SPECDEC_RUNTIME``, else hf."""
+    forward) or ``auto`` (lean where supported); default ``$SPECDEC_RUNTIME``, else auto."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     path = resolve_model_path(name_or_path)

@@ -5,6 +5,7 @@ embedded SmolLM2 target; a failed pass leaves every session as it was."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -235,3 +236,31 @@ def test_load_model_wires_the_lean_runtime_into_sessions_and_batched_passes(tiny
             s.close()
     for got, want in zip(outputs["lean"], outputs["hf"]):
         assert (got - want).abs().max().item() <= 1e-4
+
+
+def test_the_backend_table_is_measured_once_and_kept(tiny_hf, tmp_path, monkeypatch):
+    """A load measures the backend table and keeps it; a later load with the same key reads it
+    (measuring nothing); a damaged file is measured again; another thread count is another key."""
+    if len(available_backends(torch.device("cpu"))) < 2:
+        pytest.skip("one matmul backend here: there is no table to measure")
+    from specdec.lean import matmul
+
+    sweeps = []
+    original = matmul.MatmulPlan.measure
+    monkeypatch.setattr(matmul.MatmulPlan, "measure", lambda self, reps=3: sweeps.append(1) or original(self, reps))
+    first = LeanModel.from_hf(tiny_hf, table_dir=tmp_path, timed_bytes=None)
+    files = list(tmp_path.glob("*.json"))
+    assert len(sweeps) == 1 and len(files) == 1 and "measured at load" in first.plan.describe()
+    second = LeanModel.from_hf(tiny_hf, table_dir=tmp_path, timed_bytes=None)
+    assert len(sweeps) == 1 and second.plan.choice == first.plan.choice
+    assert f"read from {files[0]}" in second.plan.describe()
+    files[0].write_text("{not json")
+    LeanModel.from_hf(tiny_hf, table_dir=tmp_path, timed_bytes=None)
+    assert len(sweeps) == 2 and json.loads(files[0].read_text())["ms"]  # measured again, and rewritten
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        LeanModel.from_hf(tiny_hf, table_dir=tmp_path, timed_bytes=None)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(sweeps) == 3 and len(list(tmp_path.glob("*.json"))) == 2

@@ -35,9 +35,11 @@ TIMED_BYTES = 96 << 20  # the load-time backend table times this much of the lay
 
 class LeanModel:
     def __init__(self, weights: LeanWeights, device: torch.device, backend: str | None = None,
-                 buckets=BUCKETS, reps: int = 3, timed_bytes: int | None = TIMED_BYTES) -> None:
+                 buckets=BUCKETS, reps: int = 3, timed_bytes: int | None = TIMED_BYTES,
+                 table_dir=None) -> None:
         """``backend``: force one (torch, mkldnn, numpy) instead of measuring; ``timed_bytes``: the
-        load-time table times layers until their weights pass this size (None: every layer)."""
+        load-time table times layers until their weights pass this size (None: every layer);
+        ``table_dir``: where measured backend tables are kept for later loads (``MatmulPlan``)."""
         self.w = weights
         self.device = torch.device(device)
         self.dtype = weights.embed.dtype
@@ -49,7 +51,7 @@ class LeanModel:
         self.head_ids: torch.Tensor | None = None
         linears = [linear for entry in self.layers for linear in entry[1:]] + [self.head]
         self.plan = MatmulPlan(linears, self.device, backend=backend, buckets=buckets, reps=reps,
-                               timed=self._timed_subset(timed_bytes))
+                               timed=self._timed_subset(timed_bytes), table_dir=table_dir)
         self._inv_freq = weights.inv_freq.to(self.device)
 
     @classmethod

@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
+import json
 import logging
 import os
+import platform
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +31,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 64)  # row counts timed at load; a forward uses the smallest bucket >= its rows
-MEASURE_BUDGET_S = 3.0  # sweeps past the second stop once the table has taken this long
+MEASURE_BUDGET_S = 3.0  # sweeps past the first stop once the table has taken this long
 BACKEND_ENV = "SPECDEC_LEAN_BACKEND"  # torch | mkldnn | numpy: use that one, measure nothing
 
 
@@ -179,16 +183,21 @@ class MatmulPlan:
     """The backend per row-count bucket, measured at load (or forced by name / ``$SPECDEC_LEAN_BACKEND``)."""
 
     def __init__(self, linears: list[Linear], device: torch.device, backend: str | None = None,
-                 buckets=BUCKETS, reps: int = 3, timed: list[Linear] | None = None) -> None:
+                 buckets=BUCKETS, reps: int = 3, timed: list[Linear] | None = None,
+                 table_dir: Path | None = None) -> None:
         """``linears``: every weight of a forward, in forward order; ``timed``: the ones the table
         times (default all; the loader passes enough layers to overflow the caches, plus the head,
-        which keeps the measurement to a second or two)."""
+        which keeps the measurement to a second or two). ``table_dir``: where measured tables are
+        kept, one file per machine, library versions, thread count and weight shapes; a later load
+        with the same key reads it instead of measuring (delete the file to measure again)."""
         self.linears = linears
         self.timed = timed or linears
         self.backends = available_backends(device)
         self.buckets = tuple(buckets)
         self.regime = ThreadRegime()
         self.table: dict[int, dict[str, float]] = {}
+        self.table_file: Path | None = None
+        self.table_source: str | None = None  # measured at load, or read from table_file
         forced = backend or os.environ.get(BACKEND_ENV) or None
         if forced and forced != "auto":
             if forced not in self.backends:
@@ -200,7 +209,9 @@ class MatmulPlan:
             only = next(iter(self.backends))
             self.choice = {bucket: only for bucket in self.buckets}
         else:
-            self.table = self.measure(reps)
+            self.table_file = None if table_dir is None else Path(table_dir) / f"{self.table_key()}.json"
+            self.table = self._load_table() or self.measure(reps)
+            self._save_table()
             self.choice = {bucket: min(row, key=row.get) for bucket, row in self.table.items()}
             for name in set(self.backends) - set(self.choice.values()):  # unused: free its packed copies
                 for linear in linears:
@@ -250,13 +261,58 @@ class MatmulPlan:
         table: dict[int, dict[str, float]] = {bucket: {} for bucket in self.buckets}
         began = time.perf_counter()
         for rep in range(max(reps, 2)):
-            if rep >= 2 and time.perf_counter() - began > MEASURE_BUDGET_S:  # a loaded machine: enough
+            if rep >= 1 and time.perf_counter() - began > MEASURE_BUDGET_S:  # a loaded machine: enough
                 break
             for bucket in self.buckets:
                 for name, backend in self.backends.items():
                     seconds = self.time_products(backend, bucket, linears=self.timed, warm=False) * scale
                     table[bucket][name] = min(table[bucket].get(name, float("inf")), seconds)
         return table
+
+    def table_key(self) -> str:
+        """What a measured table depends on: the CPU, the libraries, the threads, the shapes timed."""
+        import numpy
+
+        cpu = platform.processor()
+        try:
+            with open("/proc/cpuinfo") as info:
+                cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), cpu)
+        except OSError:
+            pass
+        shapes = [(tuple(linear.weight.shape), str(linear.weight.dtype)) for linear in self.timed]
+        parts = [cpu, os.cpu_count(), torch.__version__, numpy.__version__, torch.get_num_threads(),
+                 sorted(self.backends), self.buckets, shapes, len(self.linears),
+                 os.environ.get("OPENBLAS_CORETYPE", "")]
+        return hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
+
+    def _load_table(self) -> dict[int, dict[str, float]] | None:
+        if self.table_file is None:
+            return None
+        try:
+            stored = json.loads(self.table_file.read_text())
+            table = {int(bucket): {name: float(ms) / 1e3 for name, ms in row.items()}
+                     for bucket, row in stored["ms"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        if set(table) != set(self.buckets) or any(set(row) != set(self.backends) for row in table.values()):
+            return None
+        self.table_source = f"read from {self.table_file}"
+        return table
+
+    def _save_table(self) -> None:
+        if self.table_file is None or self.table_source:
+            return
+        self.table_source = "measured at load"
+        stored = {"ms": {str(b): {n: s * 1e3 for n, s in row.items()} for b, row in self.table.items()},
+                  "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "threads": torch.get_num_threads()}
+        try:
+            self.table_file.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.table_file.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps(stored, indent=1))
+            partial.replace(self.table_file)  # atomic: concurrent loads never read half a file
+            self.table_source += f", kept in {self.table_file}"
+        except OSError as exc:
+            log.warning("lean matmul table not kept (%s): the next load measures again", exc)
 
     def describe(self) -> str:
         if not self.table:
@@ -265,4 +321,4 @@ class MatmulPlan:
         for bucket, row in self.table.items():
             times = " ".join(f"{name} {seconds * 1e3:.3g}" for name, seconds in row.items())
             cells.append(f"{bucket} rows: {times} ms -> {self.choice[bucket]}")
-        return "; ".join(cells)
+        return "; ".join(cells) + (f" ({self.table_source})" if self.table_source else "")
