@@ -77,6 +77,8 @@ class GenerationStats:
     batched_rounds: int = 0  # rounds whose verdict reported the verifier's batched pass
     batch_size_sum: int = 0  # ... and the sessions in those passes, summed
     verify_queue_wait_s: float = 0.0  # ... and the rounds' wait for them
+    verify_service_s: float = 0.0  # of verify_s: time inside the verifier service (remote verifiers report it)
+    verify_pass_s: float = 0.0  # ... of which in the batched passes that served the rounds
 
     @property
     def acceptance_rate(self) -> float:
@@ -108,6 +110,7 @@ class GenerationStats:
             self.batched_rounds += 1
             self.batch_size_sum += verdict.batch.size
             self.verify_queue_wait_s += verdict.batch.queue_wait_s
+            self.verify_pass_s += verdict.batch.pass_s
         self.rounds += 1
         self.k_history.append(k)
         if emitted < len(verdict.tokens):
@@ -144,6 +147,8 @@ class GenerationStats:
             "ahead_hits": self.ahead_hits,
             "mean_batch_size": self.mean_batch_size,
             "verify_queue_wait_s": self.verify_queue_wait_s,
+            "verify_service_s": self.verify_service_s,
+            "verify_pass_s": self.verify_pass_s,
         }
 
 
@@ -309,6 +314,7 @@ async def generate(
         if shadow is not None and not shadow.task.done():
             shadow.task.cancel()  # the session is over; the drafter's answer is not needed
     stats.total_s = time.perf_counter() - start
+    stats.verify_service_s = float(getattr(verifier, "service_s", 0.0))  # rounds only (prefill is apart)
     stats.completion_tokens = len(completion.token_ids)
     yield GenerationResult(
         token_ids=list(completion.token_ids),

@@ -210,7 +210,9 @@ class BatchInfo:
     size: int  # jobs in the pass
     tokens: int  # tokens the pass fed (the jobs' sizes, padding excluded)
     queue_wait_s: float  # from submit to the pass starting
+    pass_s: float = 0.0  # the pass itself: the forward over every job's tokens, then each job's acceptance
 
     def trace_attributes(self) -> dict:
         """The step attributes services add to their traces."""
-        return {"batch_size": self.size, "batch_tokens": self.tokens, "queue_wait_ms": round(self.queue_wait_s * 1e3, 3)}
+        return {"batch_size": self.size, "batch_tokens": self.tokens, "queue_wait_ms": round(self.queue_wait_s * 1e3, 3),
+                "pass_ms": round(self.pass_s * 1e3, 3)}

@@ -79,6 +79,10 @@ def test_greedy_through_gateway_equals_target_only(stack, tiny_target, method):
             assert result.stats["draft_method"] == method
             assert result.text == tiny_target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
             accepted += result.stats["accepted_tokens"]
+            # A round's time splits: the passes that served it within the verifier's service time
+            # within the gateway's wait for the verdict (the rest of that wait is the wire).
+            stats = result.stats
+            assert stats["rounds"] > 0 and 0 < stats["verify_pass_s"] <= stats["verify_service_s"] < stats["verify_s"]
             if method == "none":
                 assert result.stats["draft_tokens"] == 0
     if method == "model":  # the noisy draft agrees often: the rounds really did accept and roll back

@@ -95,14 +95,14 @@ def verdict_fields(verdict: Verdict) -> dict:
     }
     if verdict.batch is not None:
         fields.update(batch_size=verdict.batch.size, batch_tokens=verdict.batch.tokens,
-                      queue_wait_us=int(verdict.batch.queue_wait_s * 1e6))
+                      queue_wait_us=int(verdict.batch.queue_wait_s * 1e6), pass_time_us=int(verdict.batch.pass_s * 1e6))
     return fields
 
 
 def verdict_from_pb(pb) -> Verdict:
     batch = None
     if pb.batch_size:  # older verifiers leave it 0
-        batch = BatchInfo(pb.batch_size, pb.batch_tokens, pb.queue_wait_us * 1e-6)
+        batch = BatchInfo(pb.batch_size, pb.batch_tokens, pb.queue_wait_us * 1e-6, pb.pass_time_us * 1e-6)
     return Verdict(
         num_drafts=pb.num_drafts,
         num_accepted=pb.num_accepted,

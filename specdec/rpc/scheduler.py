@@ -181,5 +181,5 @@ class BatchScheduler:
                 if isinstance(result, BaseException):
                     entry.future.set_exception(result)
                 else:
-                    info = BatchInfo(len(batch), tokens, started - entry.submitted)
+                    info = BatchInfo(len(batch), tokens, started - entry.submitted, pass_s)
                     entry.future.set_result((result, info))

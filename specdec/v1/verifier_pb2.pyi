@@ -36,7 +36,7 @@ class VerifyBlock(_message.Message):
     def __init__(self, round: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_types_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("round", "num_drafts", "num_accepted", "token_ids", "committed_length", "service_time_us", "batch_size", "batch_tokens", "queue_wait_us")
+    __slots__ = ("round", "num_drafts", "num_accepted", "token_ids", "committed_length", "service_time_us", "batch_size", "batch_tokens", "queue_wait_us", "pass_time_us")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class VerifyResponse(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_WAIT_US_FIELD_NUMBER: _ClassVar[int]
+    PASS_TIME_US_FIELD_NUMBER: _ClassVar[int]
     round: int
     num_drafts: int
     num_accepted: int
@@ -55,7 +56,8 @@ class VerifyResponse(_message.Message):
     batch_size: int
     batch_tokens: int
     queue_wait_us: int
-    def __init__(self, round: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., service_time_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., queue_wait_us: _Optional[int] = ...) -> None: ...
+    pass_time_us: int
+    def __init__(self, round: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., service_time_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., queue_wait_us: _Optional[int] = ..., pass_time_us: _Optional[int] = ...) -> None: ...
 
 class GetVerifierInfoRequest(_message.Message):
     __slots__ = ()
