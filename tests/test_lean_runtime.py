@@ -239,15 +239,28 @@ def test_load_model_wires_the_lean_runtime_into_sessions_and_batched_passes(tiny
 
 
 def test_the_backend_table_is_measured_once_and_kept(tiny_hf, tmp_path, monkeypatch):
-    """A load measures the backend table and keeps it; a later load with the same key reads it
-    (measuring nothing); a damaged file is measured again; another thread count is another key."""
+    """A load measures the backend table and keeps it (unless its sweeps disagreed, as on a busy
+    machine); a later load with the same key reads it (measuring nothing); a damaged file is
+    measured again; another thread count is another key."""
     if len(available_backends(torch.device("cpu"))) < 2:
         pytest.skip("one matmul backend here: there is no table to measure")
     from specdec.lean import matmul
 
     sweeps = []
     original = matmul.MatmulPlan.measure
-    monkeypatch.setattr(matmul.MatmulPlan, "measure", lambda self, reps=3: sweeps.append(1) or original(self, reps))
+    quiet = {"machine": False}
+
+    def measure(self, reps=3):
+        sweeps.append(1)
+        table = original(self, reps)
+        self.table_stable = quiet["machine"]  # what the sweeps' agreement says, made deterministic here
+        return table
+
+    monkeypatch.setattr(matmul.MatmulPlan, "measure", measure)
+    busy = LeanModel.from_hf(tiny_hf, table_dir=tmp_path, timed_bytes=None)
+    assert not list(tmp_path.glob("*.json")) and "not kept" in busy.plan.describe()  # a busy machine's table
+    sweeps.clear()
+    quiet["machine"] = True
     first = LeanModel.from_hf(tiny_hf, table_dir=tmp_path, timed_bytes=None)
     files = list(tmp_path.glob("*.json"))
     assert len(sweeps) == 1 and len(files) == 1 and "measured at load" in first.plan.describe()
@@ -264,3 +277,26 @@ def test_the_backend_table_is_measured_once_and_kept(tiny_hf, tmp_path, monkeypa
     finally:
         torch.set_num_threads(threads)
     assert len(sweeps) == 3 and len(list(tmp_path.glob("*.json"))) == 2
+
+
+@pytest.mark.parametrize("noisy", [False, True])
+def test_a_table_whose_sweeps_disagree_is_not_stable(tiny_hf, monkeypatch, noisy):
+    """The rule behind keeping a table: its last sweep alone must pick the same backends, at times
+    within STABLE_SPREAD of the best. Times are scripted: one backend always faster (quiet), or the
+    winner flipping between sweeps (a busy machine)."""
+    from specdec.lean import matmul
+
+    if len(available_backends(torch.device("cpu"))) < 2:
+        pytest.skip("one matmul backend here: there is no table to measure")
+    calls = {"n": 0}
+
+    def scripted(self, backend, rows, reps=1, linears=None, warm=True):
+        calls["n"] += 1
+        sweep = (calls["n"] - 1) // (len(self.backends) * len(self.buckets))
+        fast = "torch" if not noisy or sweep % 2 == 0 else "numpy"
+        return 1.0 if backend.name == fast else 3.0
+
+    monkeypatch.setattr(matmul.MatmulPlan, "time_products", scripted)
+    monkeypatch.setattr(matmul, "MEASURE_BUDGET_S", 1e9)
+    model = LeanModel.from_hf(tiny_hf, timed_bytes=None, reps=2)
+    assert model.plan.table_stable is (not noisy)

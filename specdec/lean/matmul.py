@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 64)  # row counts timed at load; a forward uses the smallest bucket >= its rows
 MEASURE_BUDGET_S = 3.0  # sweeps past the first stop once the table has taken this long
+STABLE_SPREAD = 1.25  # a table is kept on disk only if its last sweep's winners are within this of the best
 BACKEND_ENV = "SPECDEC_LEAN_BACKEND"  # torch | mkldnn | numpy: use that one, measure nothing
 
 
@@ -198,6 +199,7 @@ class MatmulPlan:
         self.table: dict[int, dict[str, float]] = {}
         self.table_file: Path | None = None
         self.table_source: str | None = None  # measured at load, or read from table_file
+        self.table_stable = False  # measured on what looked like a quiet machine (so worth keeping)
         forced = backend or os.environ.get(BACKEND_ENV) or None
         if forced and forced != "auto":
             if forced not in self.backends:
@@ -260,13 +262,23 @@ class MatmulPlan:
             linear.weight.numel() for linear in self.timed)
         table: dict[int, dict[str, float]] = {bucket: {} for bucket in self.buckets}
         began = time.perf_counter()
+        sweep: dict[int, dict[str, float]] = {}
+        sweeps = 0
         for rep in range(max(reps, 2)):
             if rep >= 1 and time.perf_counter() - began > MEASURE_BUDGET_S:  # a loaded machine: enough
                 break
+            sweep = {bucket: {} for bucket in self.buckets}
             for bucket in self.buckets:
                 for name, backend in self.backends.items():
                     seconds = self.time_products(backend, bucket, linears=self.timed, warm=False) * scale
+                    sweep[bucket][name] = seconds
                     table[bucket][name] = min(table[bucket].get(name, float("inf")), seconds)
+            sweeps += 1
+        # Kept for later loads only if it looks like a quiet machine's: more than one sweep fitted the
+        # budget, and the last sweep alone picks the same backends at times near the table's.
+        self.table_stable = sweeps >= 2 and all(
+            min(sweep[b], key=sweep[b].get) == min(row, key=row.get) and sweep[b][min(row, key=row.get)]
+            <= STABLE_SPREAD * min(row.values()) for b, row in table.items())
         return table
 
     def table_key(self) -> str:
@@ -303,6 +315,9 @@ class MatmulPlan:
         if self.table_file is None or self.table_source:
             return
         self.table_source = "measured at load"
+        if not self.table_stable:
+            self.table_source += " (a busy machine, it seems: not kept, the next load measures again)"
+            return
         stored = {"ms": {str(b): {n: s * 1e3 for n, s in row.items()} for b, row in self.table.items()},
                   "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "threads": torch.get_num_threads()}
         try:
