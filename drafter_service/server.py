@@ -9,6 +9,7 @@ import time
 from specdec import telemetry
 from specdec.drafters import Drafter, DraftSession, ModelDrafter, NgramDrafter
 from specdec.models import EMBEDDED_DRAFT, LoadedModel, load_model, load_tokenizer, tokenizer_fingerprint
+from specdec.replay import REPLAY_WIRE_METHOD, ReplayDrafter
 from specdec.rpc import convert
 from specdec.rpc.scheduler import BatchingOptions
 from specdec.rpc.server import NotReady, idle_guard, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
@@ -32,17 +33,23 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
         self.tokenizer = None  # n-gram drafting needs no model, only the vocabulary
         self.tokenizer_fingerprint = ""
 
-    async def load(self, method: str, draft_model: str | None, device: str | None = None) -> None:
+    async def load(self, method: str, draft_model: str | None, device: str | None = None,
+                   replay_file: str | None = None) -> None:
         loop = asyncio.get_running_loop()
         if method == "model":
             draft_model = draft_model or EMBEDDED_DRAFT
             self.lm = await loop.run_in_executor(self.executor, lambda: load_model(draft_model, device=device))
             self.drafter = ModelDrafter(self.lm)
-        elif method == "ngram":
+        elif method in ("ngram", "replay"):
             if draft_model:  # only the tokenizer: it identifies the vocabulary for the gateway's pairing check
                 self.tokenizer = await loop.run_in_executor(self.executor, load_tokenizer, draft_model)
                 self.tokenizer_fingerprint = tokenizer_fingerprint(self.tokenizer)
-            self.drafter = NgramDrafter()
+            if method == "ngram":
+                self.drafter = NgramDrafter()
+            elif replay_file:  # benchmarks only (specdec.replay): proposals from recordings, at a chosen acceptance
+                self.drafter = ReplayDrafter(replay_file)
+            else:
+                raise SystemExit("--method replay needs --replay-file")
         else:
             raise SystemExit(f"unknown draft method {method!r}")
         await loop.run_in_executor(self.executor, self._warm_up)
@@ -181,10 +188,13 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
     def _model_info(self) -> types_pb2.ModelInfo:
         if self.lm is not None:
             return convert.model_info_pb(self.lm)
+        # A replay drafter names its current settings: the gateway keys its warm starts by this name,
+        # so that one alpha's acceptance does not start the next one's sessions.
+        name = self.drafter.label if isinstance(self.drafter, ReplayDrafter) else ""
         if self.tokenizer is not None:
-            return types_pb2.ModelInfo(tokenizer_fingerprint=self.tokenizer_fingerprint,
+            return types_pb2.ModelInfo(model=name, tokenizer_fingerprint=self.tokenizer_fingerprint,
                                        vocab_size=len(self.tokenizer))
-        return types_pb2.ModelInfo()
+        return types_pb2.ModelInfo(model=name)
 
     def _run_batch(self, jobs: list[tuple[DraftSession, list[int], int]]) -> list:
         """Proposals for several sessions in batched draft passes (the model thread)."""
@@ -201,7 +211,7 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
     async def GetInfo(self, request, context):
         drafter = self._require_drafter()
         return drafter_pb2.GetDrafterInfoResponse(
-            method=drafter.name,
+            method=REPLAY_WIRE_METHOD if isinstance(drafter, ReplayDrafter) else drafter.name,
             model=self._model_info(),
             load=types_pb2.LoadReport(active_sessions=len(self.sessions), max_sessions=self.sessions.max_sessions),
             supports_draft_ahead=True,
@@ -211,7 +221,7 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
 async def serve(method: str, draft_model: str | None, options: ServeOptions, max_sessions: int = 64,
                 device: str | None = None,
                 idle_timeout_s: float | None = 300.0, batching: BatchingOptions | None = None,
-                max_sessions_per_peer: int | None = None) -> None:
+                max_sessions_per_peer: int | None = None, replay_file: str | None = None) -> None:
     runtime = ServiceRuntime(SERVICE_NAME, options)
     service = DrafterService(runtime, max_sessions=max_sessions, idle_timeout_s=idle_timeout_s, batching=batching,
                              max_sessions_per_peer=max_sessions_per_peer)
@@ -219,5 +229,5 @@ async def serve(method: str, draft_model: str | None, options: ServeOptions, max
     port = await runtime.start()
     runtime.install_signal_handlers()
     print(f"specdec drafter listening on {options.host}:{port}", flush=True)
-    await service.load(method, draft_model, device=device)
+    await service.load(method, draft_model, device=device, replay_file=replay_file)
     await runtime.wait_and_drain()

@@ -123,9 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
                                "sampling.max_new_tokens is refused)")
     _add_serve_flags(verifier, 50053)
     drafter = roles.add_parser("drafter")
-    drafter.add_argument("--method", choices=["model", "ngram"], default="model")
+    drafter.add_argument("--method", choices=["model", "ngram", "replay"], default="model",
+                         help="replay: benchmarks only, recorded continuations at a chosen acceptance (--replay-file)")
     drafter.add_argument("--draft-model", default=None,
                          help="hub id or local dir (default for --method model: the shipped draft of the embedded target)")
+    drafter.add_argument("--replay-file", default=None,
+                         help="--method replay: the JSON file specdec bench writes (recordings, acceptance, cost); "
+                              "reread whenever it changes")
     _add_serve_flags(drafter, 50052)
     gateway = roles.add_parser("gateway")
     gateway.add_argument("--target", default=DEFAULT_TARGET, help="model whose tokenizer and chat template to use")
@@ -388,7 +392,7 @@ def _serve(args) -> int:
 
         coro = serve(args.method, args.draft_model, options, max_sessions=args.max_sessions, device=args.device,
                      idle_timeout_s=args.idle_timeout, batching=_batching(args),
-                     max_sessions_per_peer=_sessions_per_peer(args))
+                     max_sessions_per_peer=_sessions_per_peer(args), replay_file=args.replay_file)
     else:
         from gateway.server import GatewayLimits, LinkOptions, serve
 

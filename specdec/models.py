@@ -15,6 +15,7 @@ import torch
 
 # Defined beside LoadedModel (which needs them) and loaded from here by the loader's callers.
 from specdec.lm import HEAD_TOKEN_IDS_FILE, LoadedModel, ModelLoadError, tokenizer_fingerprint  # noqa: F401
+from specdec.synthetic import build_synthetic_model, is_synthetic, parse_synthetic
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,9 @@ def embedded_model_dir(convert: bool = True) -> Path:
 def resolve_model_path(name_or_path: str) -> str:
     if name_or_path in EMBEDDED_ALIASES:
         return str(embedded_model_dir())
+    if is_synthetic(name_or_path):  # its files are its tokenizer's: the embedded model's (specdec.synthetic)
+        parse_synthetic(name_or_path)  # a bad name fails here, before any process starts
+        return str(embedded_model_dir())
     if name_or_path == EMBEDDED_DRAFT:
         return str(EMBEDDED_DRAFT_DIR)
     return name_or_path
@@ -246,9 +250,12 @@ def load_model(
     check_rollback(config, name_or_path)  # before the weights: refused at once
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
-        )
+        if is_synthetic(name_or_path):  # seeded random weights of a Llama shape, built here (no files)
+            model = build_synthetic_model(parse_synthetic(name_or_path), tokenizer, dtype, device)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
+            )
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load model {name_or_path!r}: {exc}") from exc
     model.to(device).eval()

@@ -27,7 +27,10 @@ def add_arguments(up: argparse.ArgumentParser, default_target: str) -> None:
     up.add_argument("--target", default=default_target)
     up.add_argument("--draft-model", default=None,
                     help="draft model (default: the shipped draft for the embedded target, else n-gram lookup)")
-    up.add_argument("--draft-method", choices=["auto", "model", "ngram"], default="auto")
+    up.add_argument("--draft-method", choices=["auto", "model", "ngram", "replay"], default="auto",
+                    help="auto: model if there is a draft model, else ngram (never replay, which is for benchmarks)")
+    up.add_argument("--replay-file", default=None,
+                    help="--draft-method replay: the file specdec bench writes (recordings, acceptance, cost)")
     up.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=False)
     up.add_argument("--net-delay-ms", type=float, default=0.0, help="gateway: injected one-way delay per message")
     up.add_argument("--host", default="127.0.0.1")
@@ -132,9 +135,13 @@ def children(args) -> list[ChildSpec]:
     method = args.draft_method if args.draft_method != "auto" else ("model" if draft_model else "ngram")
     if method == "model" and not draft_model:
         raise SystemExit("error: --draft-method model needs --draft-model (no shipped draft for this target)")
+    if method == "replay" and not getattr(args, "replay_file", None):
+        raise SystemExit("error: --draft-method replay needs --replay-file")
     drafter_cmd = base + ["drafter", "--host", host, "--port", str(drafter_port), "--threads",
                           str(args.drafter_threads), "--method", method,
                           "--draft-model", draft_model if method == "model" else args.target]
+    if method == "replay":
+        drafter_cmd += ["--replay-file", os.path.abspath(args.replay_file)]
     if args.drafter_device:
         drafter_cmd += ["--device", args.drafter_device]
     # A TLS stack's gateway names its peers by host name so that certificates verify; loopback here.
@@ -180,9 +187,13 @@ def _announce_ready(supervisor: Supervisor, specs: list[ChildSpec]) -> None:
 
 def run(args) -> int:
     """Start the three services supervised; Ctrl-C (or SIGTERM) drains them and returns."""
-    from specdec.models import resolve_model_path
+    from specdec.models import ModelLoadError, resolve_model_path
 
-    resolve_model_path(args.target)  # convert the embedded model once, before three processes race
+    try:
+        resolve_model_path(args.target)  # convert the embedded model once, before three processes race
+    except ModelLoadError as exc:  # e.g. a synthetic:... name that does not parse
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     specs = children(args)
     supervisor = Supervisor(specs, log=lambda line: print(f"{LOG_PREFIX} {line}", file=sys.stderr, flush=True),
                             credentials=_health_credentials(args))

@@ -35,6 +35,8 @@ Modules (each imports only those listed before it):
 - ``metrics``: per-request records, latency distributions, per-system summaries and speedups;
 - ``load``: conversations through a runner, back to back or on Poisson arrivals;
 - ``bound``: the analytic bound (its formulas are ``specdec.speedup``'s) and the measurements it needs;
+- ``sweep``: controlled acceptance (``--acceptance-sweep``): the replay drafter's systems, the recording
+  pass, the settings file, the bound of each alpha;
 - ``report`` and ``plots``: ``report.md`` / ``concurrency.md`` and the PNG plots;
 - ``cli``: the command's arguments, a whole run with its outputs, and the concurrency sweep.
 """

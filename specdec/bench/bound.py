@@ -97,11 +97,14 @@ def machine_info(device: str | None = None) -> dict:
     return info
 
 
-def compute_bound(args, summaries: dict, all_records: dict, models) -> dict:
+def compute_bound(args, summaries: dict, all_records: dict, models, reference: str | None = None,
+                  with_roofline: bool = True) -> dict:
     """The analytic speedup bound from measured acceptance and costs, and measured / bound.
-    ``models``: the command's ``ModelCache`` (the local target and draft, loaded when first asked for)."""
+    ``models``: the command's ``ModelCache`` (the local target and draft, loaded when first asked for).
+    ``reference``: the speculative system whose acceptance and draft cost to use (default
+    ``spec_reference``); ``with_roofline``: also time the target's step against memory bandwidth."""
     out: dict = {"measured_over_bound": None}
-    ref = spec_reference(summaries)
+    ref = reference or spec_reference(summaries)
     base = "baseline" if "baseline" in summaries else ("hf" if "hf" in summaries else None)
     if ref is None or summaries[ref].get("acceptance_rate") is None:
         out["note"] = "no speculative system with acceptance stats was run"
@@ -144,7 +147,8 @@ def compute_bound(args, summaries: dict, all_records: dict, models) -> dict:
     result = speedup_bound(t_verify, t_draft, alpha=alpha_pooled, alphas=alphas or None)
     geometric = speedup_bound(t_verify, t_draft, alpha=alpha)
     try:
-        out["roofline"] = memory_roofline(models.target(), t_verify[0])
+        if with_roofline:
+            out["roofline"] = memory_roofline(models.target(), t_verify[0])
     except Exception as exc:  # noqa: BLE001 - no local target: no roofline
         out["roofline"] = {"note": describe_error(exc)}
     out.update({

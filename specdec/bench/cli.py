@@ -27,7 +27,9 @@ from specdec.bench.metrics import (
     summarize_records,
 )
 from specdec.bench.prompts import Conversation, load_prompts
+from specdec.synthetic import is_synthetic, parse_synthetic
 from specdec.bench.report import fmt, format_round_ratios, render_report, render_sweep
+from specdec.bench.sweep import ReplayControl, replay_requested, replay_systems, sweep_results, validate_replay_args
 from specdec.bench.runners import (
     DEFAULT_GATEWAY_SYSTEMS,
     DEFAULT_LOCAL_SYSTEMS,
@@ -88,6 +90,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "on each round, in alternating order (ratios between systems then resist a machine whose "
                         "speed drifts during the run); capped at conversations / concurrency")
     p.add_argument("--no-warmup", action="store_true", help="skip the one short warm-up request per system")
+    p.add_argument("--acceptance-sweep", default=None, metavar="A1,A2,...",
+                   help="controlled acceptance: a recording pass (plain decoding) records the target's continuations "
+                        "and step; then baseline and, per acceptance, the replay drafter with adaptive k and with "
+                        "k = --sweep-fixed-k, in interleaved rounds; bound and measured/bound per acceptance "
+                        "(with --up, or --gateway over `specdec up --draft-method replay --replay-file FILE`)")
+    p.add_argument("--replay-acceptance", type=float, default=None, metavar="A",
+                   help="the speculative systems of --systems drafted by the replay drafter at acceptance A")
+    p.add_argument("--replay-cost", type=float, default=0.05, metavar="C",
+                   help="the replay drafter's cost per draft step: C times the target's step measured by the "
+                        "recording pass (emulated by sleeping; default 0.05)")
+    p.add_argument("--replay-seed", type=int, default=0, help="keys which recorded tokens the replay drafter keeps")
+    p.add_argument("--replay-file", default=None, help="the replay drafter's file (default OUT/replay.json)")
+    p.add_argument("--sweep-fixed-k", type=int, default=4, help="--acceptance-sweep: the fixed draft length (default 4)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -114,6 +129,9 @@ def validate_args(args) -> None:
         raise ValueError("--rounds must be >= 1")
     if args.up and (args.local or args.gateway):
         raise ValueError("--up starts its own gateway: not with --local or --gateway")
+    if is_synthetic(args.target):
+        parse_synthetic(args.target)  # a bad name fails before any stack starts
+    validate_replay_args(args)
 
 
 class ModelCache:
@@ -156,6 +174,8 @@ def start_local_stack(args):
         up_args += ["--draft-model", args.draft_model]
     if getattr(args, "drafter_device", None):
         up_args += ["--drafter-device", args.drafter_device]
+    if replay_requested(args):
+        up_args += ["--draft-method", "replay", "--replay-file", args.replay_file]
     stack = LocalStack(up_args, quiet=True)
     log.info("starting a local stack: specdec up %s", " ".join(up_args))
     return stack, stack.__enter__()
@@ -205,6 +225,11 @@ def run_bench(args) -> dict:
     conversations = load_prompts(args.prompts, args.limit)
     systems = parse_systems(args.systems or (DEFAULT_LOCAL_SYSTEMS if args.local else DEFAULT_GATEWAY_SYSTEMS),
                             args.local)
+    control = None
+    if replay_requested(args):
+        systems = replay_systems(args, systems)
+        args.replay_file = os.path.abspath(args.replay_file or out_dir / "replay.json")
+        control = ReplayControl(Path(args.replay_file), args.replay_cost, args.replay_seed)
     gateway_address = None if args.local else (args.gateway or "localhost:50051")
     models = ModelCache(args)
     client = None
@@ -225,12 +250,20 @@ def run_bench(args) -> dict:
                 skipped[spec.name] = "skipped: hf-assisted needs --draft-model (assisted generation with the same draft)"
                 log.warning("%s", skipped[spec.name])
         measured = [spec for spec in systems if spec.name not in skipped]
+        if control is not None:  # plain decoding records what the replay drafter proposes, and the target's step
+            recording = SystemSpec("recording", "gateway", "none", 0)
+            client = client or _gateway_client(recording, gateway_address, args)
+            records, _ = run_system(_make_runner(recording, client, models, conversations[0], args), "recording",
+                                    conversations, args, progress)
+            control.record(records)
         # Interleaved rounds: conversation i belongs to round i % R; each round runs every system,
         # in reverse order every other round (A B, B A, ...), so a machine that slows down or speeds
         # up during the run weighs on all systems alike instead of on whichever ran last.
         for r in range(rounds):
             block = list(range(r, len(conversations), rounds))
             for spec in measured if r % 2 == 0 else measured[::-1]:
+                if control is not None:
+                    control.activate(spec)
                 if spec.name not in runners:
                     client = client or _gateway_client(spec, gateway_address, args)
                     runners[spec.name] = _make_runner(spec, client, models, conversations[0], args)
@@ -294,6 +327,9 @@ def run_bench(args) -> dict:
         "spec_vs_baseline_by_round": paired_round_ratios(summaries, spec_reference(summaries)) if rounds > 1 else None,
         "bound": bound,
     }
+    if control is not None:
+        summary["config"]["replay"] = control.config()
+        summary["acceptance_sweep"] = sweep_results(args, systems, summaries, all_records, models, control)
     summary["plots"] = plots.write_plots(out_dir, summary, all_records)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     with open(out_dir / "requests.jsonl", "w") as f:
@@ -380,4 +416,9 @@ def main(args) -> int:
         print("  speedup: " + ", ".join(f"{k} {v:.3f}" for k, v in sp.items()))
     if by_round := summary.get("spec_vs_baseline_by_round"):
         print(f"  {by_round['pair'][0]}/{by_round['pair'][1]} by round: {format_round_ratios(by_round)}")
+    for point in (summary.get("acceptance_sweep") or {}).get("points", []):
+        print(f"  {point['system']:>16}: α measured {fmt(point['alpha_measured'], digits=3)}, "
+              f"spec/baseline {fmt(point['speedup'], digits=3)}, bound {fmt(point['bound'], digits=3)}, "
+              f"measured/bound {fmt(point['measured_over_bound'], digits=3)}, outputs = plain decoding "
+              f"{point['outputs']['identical']}/{point['outputs']['compared']}")
     return 1 if any(s["errors"] for s in summary["systems"].values()) else 0

@@ -56,6 +56,7 @@ def run_conversation(runner: Runner, system: str, conv: Conversation, index: int
         record.finish_reason = out.finish_reason
         record.stats = out.stats
         record.text = out.text
+        record.token_ids, record.prompt_token_ids = list(out.token_ids), list(out.prompt_token_ids)
         records.append(record)
         history = (messages or []) + [("assistant", out.text)]
         on_done(1)

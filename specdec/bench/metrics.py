@@ -32,6 +32,8 @@ class RequestRecord:
     error: str | None = None
     stats: dict | None = None
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)  # the output (gateway and in-process systems)
+    prompt_token_ids: list[int] = field(default_factory=list)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

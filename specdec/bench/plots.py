@@ -11,6 +11,7 @@ from pathlib import Path
 from specdec.bench.metrics import MIN_POSITION_DRAFTS, tpot
 
 PLOTS = ("speedup_by_category.png", "acceptance_by_position.png", "latency_cdf.png", "k_over_time.png")
+ACCEPTANCE_SWEEP_PLOT = "acceptance_sweep.png"
 
 
 def _pyplot():
@@ -177,7 +178,46 @@ def write_plots(out_dir: Path, summary: dict, records: dict) -> list[str]:
     plot_acceptance_by_position(out_dir / PLOTS[1], summary)
     plot_latency_cdfs(out_dir / PLOTS[2], summary, records)
     plot_k_over_time(out_dir / PLOTS[3], summary, records)
+    if summary.get("acceptance_sweep"):
+        plot_acceptance_sweep(out_dir / ACCEPTANCE_SWEEP_PLOT, summary["acceptance_sweep"])
+        return [*PLOTS, ACCEPTANCE_SWEEP_PLOT]
     return list(PLOTS)
+
+
+def plot_acceptance_sweep(path: Path, sweep: dict) -> None:
+    """Per draft-length mode against the acceptance set: tokens/s (baseline as a line), the measured
+    speedup beside the bound, and measured / bound."""
+    plt = _pyplot()
+    fig, (rate, speed, share) = plt.subplots(1, 3, figsize=(15, 4.5))
+    modes: dict[str, list[dict]] = defaultdict(list)
+    for point in sweep["points"]:
+        modes["adaptive k" if point["k"] == "adaptive" else f"k = {point['k']}"].append(point)
+    for i, (mode, points) in enumerate(modes.items()):
+        alphas = [p["alpha_set"] for p in points]
+        color = f"C{i}"
+
+        def values(key):
+            return [p[key] if p[key] is not None else float("nan") for p in points]
+
+        rate.plot(alphas, values("tokens_per_s"), marker="o", color=color, label=mode)
+        speed.plot(alphas, values("speedup"), marker="o", color=color, label=f"{mode}: measured")
+        speed.plot(alphas, values("bound"), marker="x", ls="--", color=color, label=f"{mode}: bound")
+        share.plot(alphas, values("measured_over_bound"), marker="o", color=color, label=mode)
+    if sweep.get("baseline_tokens_per_s"):
+        rate.axhline(sweep["baseline_tokens_per_s"], color="0.3", lw=1, ls="--", label="baseline")
+    speed.axhline(1.0, color="0.3", lw=1, ls=":")
+    share.axhline(1.0, color="0.3", lw=1, ls=":")
+    for ax, label, title in ((rate, "output tokens/s", "Throughput"),
+                             (speed, "speedup over baseline", "Measured speedup and its bound"),
+                             (share, "measured / bound", "Share of the bound reached")):
+        ax.set_xlabel("acceptance α set for the replay drafter")
+        ax.set_ylabel(label)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def plot_concurrency_scaling(path: Path, sweep: dict) -> str:

@@ -117,6 +117,9 @@ def render_report(summary: dict) -> str:
     if bound.get("note"):
         lines += [f"Note: {bound['note']}", ""]
 
+    if summary.get("acceptance_sweep"):
+        lines += render_acceptance_sweep(summary["acceptance_sweep"])
+
     categories = sorted({c for s in systems.values() for c in s.get("per_category", {})})
     if categories and systems:
         names = list(systems)
@@ -143,6 +146,42 @@ def render_report(summary: dict) -> str:
             lines.append(f"![{Path(p).stem}]({p})")
         lines.append("")
     return "\n".join(lines)
+
+
+def render_acceptance_sweep(sweep: dict) -> list[str]:
+    """The controlled-acceptance section: the replay drafter's settings, per system the measured
+    acceptance, speedup, bound and measured / bound, and the target's forward curve."""
+    replay = sweep["replay"]
+    lines = ["## Controlled acceptance (replay drafter)", "",
+             f"- draft cost emulated: c = {fmt(replay['cost_fraction'], digits=3)} × the target's step "
+             f"{fmt(replay['target_step_s'], 1e3, 1)} ms (verify time per round of the recording pass, plain "
+             f"decoding through the gateway) = {fmt(replay['cost_s'], 1e3, 2)} ms per draft step (a sleep: no CPU); "
+             f"seed {replay['seed']}; {replay['recorded_prompts']} prompts recorded",
+             f"- baseline: {fmt(sweep.get('baseline_tokens_per_s'))} tok/s", "",
+             "| system | α set | k | tok/s | α measured (per token) | mean accepted len | mean k | spec / baseline "
+             "| per round mean ± s.e. | bound (best k) | bound at this k | measured / bound | outputs = plain decoding |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in sweep["points"]:
+        by_round = p.get("speedup_by_round")
+        spread = "–" if not by_round else (f"{by_round['mean']:.3f} ± {by_round['stderr']:.3f}"
+                                          if by_round.get("stderr") is not None else f"{by_round['mean']:.3f}")
+        lines.append(f"| {p['system']} | {p['alpha_set']:g} | {p['k']} | {fmt(p['tokens_per_s'])} "
+                     f"| {fmt(p['alpha_measured'], digits=3)} | {fmt(p['mean_accepted_length'])} | {fmt(p['k_mean'])} "
+                     f"| {fmt(p['speedup'], digits=3)} | {spread} | {fmt(p['bound'], digits=3)} ({p['best_k']}) "
+                     f"| {fmt(p['bound_at_k'], digits=3)} "
+                     f"| **{fmt(p['measured_over_bound'], digits=3)}** "
+                     f"| {p['outputs']['identical']} / {p['outputs']['compared']} |")
+    lines += ["", f"t_verify(k) for the bounds: {sweep.get('t_verify_source') or '–'}."]
+    fitted, forward = sweep.get("t_verify_s") or [], sweep.get("target_forward_curve_s") or []
+    if fitted or forward:
+        lines += ["", "| k | t_verify(k) used (ms) | target forward over k + 1 tokens, in process (ms) |",
+                  "|---:|---:|---:|"]
+        for k in range(max(len(fitted), len(forward))):
+            lines.append(f"| {k} | {fmt(fitted[k] if k < len(fitted) else None, 1e3, 2)} "
+                         f"| {fmt(forward[k] if k < len(forward) else None, 1e3, 2)} |")
+    if sweep.get("target_forward_curve_note"):
+        lines.append(f"\nNo in-process forward curve: {sweep['target_forward_curve_note']}")
+    return lines + [""]
 
 
 def render_sweep(sweep: dict) -> str:

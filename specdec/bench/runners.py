@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 SYSTEM_KINDS = ("spec", "spec-k=N", "spec-ahead", "spec-noahead", "baseline", "inprocess", "hf", "hf-assisted")
 DEFAULT_GATEWAY_SYSTEMS = "spec,baseline"
@@ -20,6 +20,7 @@ class SystemSpec:
     num_draft_tokens: int = 0  # 0 = adaptive
     assisted: bool = False
     draft_ahead: bool | None = None  # gateway: None = the gateway's default
+    replay_acceptance: float | None = None  # gateway: drafted by the replay drafter at this acceptance
 
 
 def parse_systems(text: str, local: bool) -> list[SystemSpec]:
@@ -66,6 +67,8 @@ class Outcome:
     text: str
     finish_reason: str = ""
     stats: dict | None = None
+    token_ids: list[int] = field(default_factory=list)  # the output
+    prompt_token_ids: list[int] = field(default_factory=list)  # the prompt as the target saw it
 
 
 class ChunkClock:
@@ -116,16 +119,19 @@ class GatewayRunner(Runner):
         else:
             kwargs["prompt"] = prompt
         clock = ChunkClock()
-        text, final = "", None
+        text, final, token_ids = "", None, []
         for event in self.client.stream(**kwargs):
             if isinstance(event, ChunkEvent):
                 clock.chunk(len(event.token_ids))
                 text += event.text
+                token_ids.extend(event.token_ids)
             else:
                 final = event
         if final is None:
             raise RuntimeError("the stream ended without a final message")
-        return clock.outcome(text, final.finish_reason, dict(final.stats))
+        outcome = clock.outcome(text, final.finish_reason, dict(final.stats))
+        outcome.token_ids, outcome.prompt_token_ids = token_ids, list(final.prompt_token_ids)
+        return outcome
 
 
 def encode(tokenizer, messages: Messages | None, prompt: str | None) -> list[int]:
@@ -161,7 +167,9 @@ class LocalRunner(Runner):
                     clock.chunk(len(event.token_ids))
                 else:
                     result = event
-            return clock.outcome(result.text, result.finish_reason, result.stats.to_dict())
+            outcome = clock.outcome(result.text, result.finish_reason, result.stats.to_dict())
+            outcome.token_ids, outcome.prompt_token_ids = list(result.token_ids), list(prompt_ids)
+            return outcome
 
         return asyncio.run(consume())
 
