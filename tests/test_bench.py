@@ -378,3 +378,29 @@ def test_concurrency_levels_parse():
     for bad in ("0", "1,x", ""):
         with pytest.raises(ValueError, match="--concurrency"):
             load.parse_concurrency(bad)
+
+
+def test_round_breakdown_splits_a_round_into_its_parts():
+    """Two requests' stats (seconds) -> mean ms per round of each part; the parts add up to the round,
+    and a request without the verifier's times (in-process) is left out."""
+    from specdec.bench.breakdown import PARTS, describe, round_breakdown
+
+    stats = [
+        dict(rounds=10, total_s=1.25, ttft_s=0.05, draft_s=0.2, verify_s=0.9, verify_service_s=0.8,
+             verify_pass_s=0.7, verify_queue_wait_s=0.05),
+        dict(rounds=30, total_s=3.1, ttft_s=0.1, draft_s=0.6, verify_s=2.3, verify_service_s=2.0,
+             verify_pass_s=1.9, verify_queue_wait_s=0.0),
+        dict(rounds=5, total_s=1.0, ttft_s=0.1, draft_s=0.1, verify_s=0.7),  # in-process: no service times
+    ]
+    b = round_breakdown(stats)
+    assert b["rounds"] == 40
+    assert b["round_ms"] == pytest.approx((1.2 + 3.0) / 40 * 1e3)
+    parts = b["parts_ms"]
+    assert parts["pass"] == pytest.approx(2.6 / 40 * 1e3) and parts["draft"] == pytest.approx(0.8 / 40 * 1e3)
+    assert parts["wire"] == pytest.approx(0.4 / 40 * 1e3) and parts["queue"] == pytest.approx(0.05 / 40 * 1e3)
+    assert parts["verifier_other"] == pytest.approx((2.8 - 2.6 - 0.05) / 40 * 1e3)
+    assert parts["gateway"] == pytest.approx((4.2 - 0.8 - 3.2) / 40 * 1e3)
+    assert sum(parts[p] for p in PARTS) == pytest.approx(b["round_ms"])
+    assert b["outside_forward"] == pytest.approx((4.2 - 2.6 - 0.8) / 4.2)
+    assert "outside the target's pass and the drafting: 19.0%" in describe(b)
+    assert round_breakdown(stats[2:]) is None

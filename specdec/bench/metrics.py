@@ -8,6 +8,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from specdec.bench.breakdown import round_breakdown
 from specdec.speedup import conditional_alphas
 
 # Per-position acceptance feeds the bound only where that position was drafted this often; deeper
@@ -134,6 +135,7 @@ def summarize_records(records: Sequence[RequestRecord], duration_s: float) -> di
         for stat, value in distribution(values).items():
             out[f"{name}_{stat}_s"] = value
     stats = [r.stats for r in ok if r.stats]
+    out["round_breakdown"] = round_breakdown(stats)
     if stats and any(s.get("draft_method", "none") != "none" or s.get("draft_tokens") for s in stats):
         drafted = sum(int(s.get("draft_tokens", 0)) for s in stats)
         accepted = sum(int(s.get("accepted_tokens", 0)) for s in stats)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from specdec.bench.breakdown import describe as describe_breakdown
+
 
 def fmt(value, scale: float = 1.0, digits: int = 2) -> str:
     if value is None:
@@ -72,6 +74,12 @@ def render_report(summary: dict) -> str:
                  "after a gap g counts n × g/n), latency: mean / p50 / p90 / p99 of each are in summary.json. "
                  "tok/s and req/s are over the wall time of the system's run.")
     lines.append("")
+    breakdowns = {n: s["round_breakdown"] for n, s in systems.items() if s.get("round_breakdown")}
+    if breakdowns:
+        lines += ["Where a round's time goes (mean per round, from the gateway's stats and the verifier's "
+                  "service and pass times; the pass is the target's forward plus acceptance):", ""]
+        lines += [f"- {name}: {describe_breakdown(b)}" for name, b in breakdowns.items()]
+        lines.append("")
     errors = {n: s["first_error"] for n, s in systems.items() if s.get("first_error")}
     for name, err in errors.items():
         lines.append(f"- first error of {name}: `{err}`")
