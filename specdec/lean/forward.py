@@ -114,7 +114,8 @@ class LeanModel:
         cos, sin = freqs.cos()[:, None], freqs.sin()[:, None]  # [T, 1, head_dim / 2]
         if w.rope_scale != 1.0:
             cos, sin = cos * w.rope_scale, sin * w.rope_scale
-        cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        # RoPE as x * [cos, cos] + [second half, first half] * [-sin, sin]: three ops per layer.
+        cos, sin = torch.cat((cos, cos), dim=-1).to(self.dtype), torch.cat((-sin, sin), dim=-1).to(self.dtype)
         mask = self._mask(pasts, fed, starts)
         backend = self.plan.backend(total)
         with self.plan.regime(backend):
@@ -163,8 +164,8 @@ class LeanModel:
         total, dim, kv_heads, groups = qkv.shape[0], w.head_dim, w.kv_heads, self.groups
         q_and_k = qkv[:, : w.q_width + w.kv_width].view(total, w.heads + kv_heads, dim)
         half = dim // 2
-        first, second = q_and_k[..., :half], q_and_k[..., half:]
-        rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+        swapped = torch.cat((q_and_k[..., half:], q_and_k[..., :half]), dim=-1)
+        rotated = torch.addcmul(q_and_k * cos, swapped, sin)
         q, k = rotated[:, : w.heads], rotated[:, w.heads :]
         v = qkv[:, w.q_width + w.kv_width :].view(total, kv_heads, dim)
         keys, values = [], []
