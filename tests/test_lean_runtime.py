@@ -290,13 +290,26 @@ def test_a_table_whose_sweeps_disagree_is_not_stable(tiny_hf, monkeypatch, noisy
         pytest.skip("one matmul backend here: there is no table to measure")
     calls = {"n": 0}
 
-    def scripted(self, backend, rows, reps=1, linears=None, warm=True):
+    def scripted(self, backend, rows):
         calls["n"] += 1
         sweep = (calls["n"] - 1) // (len(self.backends) * len(self.buckets))
         fast = "torch" if not noisy or sweep % 2 == 0 else "numpy"
         return 1.0 if backend.name == fast else 3.0
 
-    monkeypatch.setattr(matmul.MatmulPlan, "time_products", scripted)
+    monkeypatch.setattr(matmul.MatmulPlan, "time_weighted", scripted)
     monkeypatch.setattr(matmul, "MEASURE_BUDGET_S", 1e9)
     model = LeanModel.from_hf(tiny_hf, timed_bytes=None, reps=2)
     assert model.plan.table_stable is (not noisy)
+
+
+def test_the_table_counts_each_timed_product_for_every_weight_of_its_shape(tiny_hf):
+    """Timing a subset of layers stands for the whole forward: a layer's product counts once per
+    layer, the LM head once (regression: the subset's total, head included, was scaled by the
+    weights' sizes, which counted the head as many times as the layers were scaled)."""
+    model = LeanModel.from_hf(tiny_hf, timed_bytes=1)  # the first layer only, plus the head
+    layers = len(model.layers)
+    assert layers >= 2 and len(model.plan.timed) == 4 + 1
+    if model.plan.table:  # several backends here: the table was measured with these weights
+        weights = model.plan._weights
+        assert weights[tuple(model.head.weight.shape)] == 1
+        assert all(weights[tuple(lin.weight.shape)] == layers for lin in model.layers[0][1:])

@@ -23,6 +23,7 @@ import logging
 import os
 import platform
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 64)  # row counts timed at load; a forward uses the smallest bucket >= its rows
-MEASURE_BUDGET_S = 3.0  # sweeps past the first stop once the table has taken this long
+MEASURE_BUDGET_S = 3.0  # sweeps past the second stop once the table has taken this long
 STABLE_SPREAD = 1.25  # a table is kept on disk only if its last sweep's winners are within this of the best
 BACKEND_ENV = "SPECDEC_LEAN_BACKEND"  # torch | mkldnn | numpy: use that one, measure nothing
 
@@ -261,23 +262,50 @@ class MatmulPlan:
                     best = min(best, time.perf_counter() - start)
         return best
 
+    @torch.inference_mode()
+    def time_weighted(self, backend: Backend, rows: int) -> float:
+        """Seconds for a whole forward's products over ``rows`` rows, from one pass over the timed
+        subset (in forward order, so caches see what a forward shows them): each product's time
+        counts for every weight of its shape (the head once, a layer's projection once per layer)."""
+        inputs = {}
+        for linear in self.timed:
+            width = linear.weight.shape[1]
+            if width not in inputs:
+                inputs[width] = torch.randn(rows, width, dtype=linear.weight.dtype, device=linear.weight.device)
+        total = 0.0
+        with self.regime(backend):
+            for linear in self.timed:
+                start = time.perf_counter()
+                backend.mm(inputs[linear.weight.shape[1]], linear.handles[backend.name])
+                if linear.weight.device.type == "cuda":
+                    torch.cuda.synchronize()
+                total += (time.perf_counter() - start) * self._weights[tuple(linear.weight.shape)]
+        return total
+
     def measure(self, reps: int = 3) -> dict[int, dict[str, float]]:
-        """Per bucket and backend, ms for a whole forward's products (the timed subset's time
-        scaled by the weights' sizes), min over ``reps`` sweeps; each sweep times every cell once,
-        so a burst of load hits all alike (the first sweep also warms each shape up)."""
-        scale = sum(linear.weight.numel() for linear in self.linears) / sum(
-            linear.weight.numel() for linear in self.timed)
+        """Per bucket and backend, ms for a whole forward's products (``time_weighted``), min over
+        ``reps`` sweeps after an uncounted warm-up one; each sweep times every cell once (a burst of
+        load hits all alike), backend after backend."""
+        every, timed = Counter(tuple(lin.weight.shape) for lin in self.linears), Counter(
+            tuple(lin.weight.shape) for lin in self.timed)
+        self._weights = {shape: every[shape] / count for shape, count in timed.items()}
         table: dict[int, dict[str, float]] = {bucket: {} for bucket in self.buckets}
         began = time.perf_counter()
         sweep: dict[int, dict[str, float]] = {}
         sweeps = 0
+        for bucket in self.buckets:  # warm-up, not counted: first calls pay for thread pools and primitives
+            for backend in self.backends.values():
+                self.time_weighted(backend, bucket)
         for rep in range(max(reps, 2)):
-            if rep >= 1 and time.perf_counter() - began > MEASURE_BUDGET_S:  # a loaded machine: enough
+            if rep >= 2 and time.perf_counter() - began > MEASURE_BUDGET_S:  # a loaded machine: enough
                 break
             sweep = {bucket: {} for bucket in self.buckets}
-            for bucket in self.buckets:
-                for name, backend in self.backends.items():
-                    seconds = self.time_products(backend, bucket, linears=self.timed, warm=False) * scale
+            # Backend by backend: the first products after a switch of threading runtime pay for the
+            # other one's spinning threads, which says nothing about either.
+            for name, backend in self.backends.items():
+                self.time_weighted(backend, self.buckets[0])
+                for bucket in self.buckets:
+                    seconds = self.time_weighted(backend, bucket)
                     sweep[bucket][name] = seconds
                     table[bucket][name] = min(table[bucket].get(name, float("inf")), seconds)
             sweeps += 1
