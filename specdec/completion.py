@@ -151,6 +151,16 @@ class CompletionBuilder:
             delta, self._unsent = self._unsent[: len(self._unsent) - held], self._unsent[len(self._unsent) - held:]
         return Chunk(accepted, delta)
 
+    def end_at_context(self) -> Chunk:
+        """Finish by length because the model's context is full (no position left to verify at):
+        the text held back for a possible stop string and any pending bytes are released."""
+        if self.finished:
+            return Chunk([], "")
+        self.finish_reason = FINISH_LENGTH
+        delta = self._unsent + self._decoder.flush()
+        self._unsent, self._final_text = "", self._decoder.text
+        return Chunk([], delta)
+
     def _stop_prefix_overlap(self, text: str) -> int:
         """Length of the longest tail of ``text`` that could begin a stop string (held back)."""
         longest = 0

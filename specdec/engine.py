@@ -257,6 +257,9 @@ async def generate(
             # The verification always commits one token beyond the drafts.
             max_k = remaining - 1
             if max_context is not None:
+                if length >= max_context:  # no position left to verify at: done, as plain decoding would be
+                    yield completion.end_at_context()
+                    break
                 max_k = min(max_k, max_context - length - 1)
             k = policy.choose(max(0, max_k)) if drafter is not None else 0
             proposal = DraftProposal()

@@ -408,3 +408,18 @@ def test_shipped_draft_with_embedded_target_greedy_equals_generate(embedded_targ
     # Measured 65 / 286 = 0.227 at k = 5 here (0.136 over all of MT-bench + HumanEval, its model card;
     # the stage-2 draft got 58 / 321, stage 1 47 / 371); an untrained draft of this shape accepts about nothing.
     assert drafted > 0 and accepted / drafted > 0.12, (accepted, drafted)
+
+
+def test_generation_ends_by_length_where_the_model_context_is_full(tiny_target, tiny_noisy_draft):
+    """max_new_tokens past the model's context: the generation commits tokens up to the last
+    position (as plain decoding to max_length would) and ends with finish_reason "length", instead
+    of asking the verifier for a block past the context (regression: INVALID_ARGUMENT on the gateway)."""
+    context = tiny_target.max_positions
+    ids = tiny_target.tokenizer("the quick brown fox", add_special_tokens=False)["input_ids"]
+    params = SamplingParams(max_new_tokens=context + 50, temperature=0.0, ignore_eos=True)
+    result = run_sync(collect(LocalEngine(tiny_target, ModelDrafter(tiny_noisy_draft)).stream(
+        ids, params, num_draft_tokens=4)))
+    assert result.finish_reason == "length"
+    assert len(ids) + len(result.token_ids) == context
+    assert result.token_ids == hf_greedy(tiny_target, ids, context - len(ids))
+    assert result.text == tiny_target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
