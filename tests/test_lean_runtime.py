@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -288,12 +289,11 @@ def test_a_table_whose_sweeps_disagree_is_not_stable(tiny_hf, monkeypatch, noisy
 
     if len(available_backends(torch.device("cpu"))) < 2:
         pytest.skip("one matmul backend here: there is no table to measure")
-    calls = {"n": 0}
+    calls = Counter()
 
     def scripted(self, backend, rows):
-        calls["n"] += 1
-        sweep = (calls["n"] - 1) // (len(self.backends) * len(self.buckets))
-        fast = "torch" if not noisy or sweep % 2 == 0 else "numpy"
+        calls[backend.name, rows] += 1  # a cell's n-th timing (warm-ups included)
+        fast = "torch" if not noisy or calls[backend.name, rows] % 2 == 0 else "numpy"
         return 1.0 if backend.name == fast else 3.0
 
     monkeypatch.setattr(matmul.MatmulPlan, "time_weighted", scripted)
