@@ -402,3 +402,16 @@ def test_up_puts_the_drafter_below_the_verifier_for_all_its_threads():
         child.kill()
     reports = [tuple(int(v) for v in line.split()) for line in out.splitlines()]
     assert reports == [(os.SCHED_IDLE, min(19, base + 7))] * 2
+
+
+def test_a_generation_past_the_model_context_ends_by_length(stack, tiny_target):
+    """Through the services: max_new_tokens past the context ends with finish_reason "length" at the
+    last position (regression: the gateway asked the verifier for a block past the context and the
+    request failed with INVALID_ARGUMENT)."""
+    context = tiny_target.max_positions
+    with GatewayClient(stack.gateway.address, timeout=120) as client:
+        result = client.generate(prompt=PROMPTS[0], max_new_tokens=context, method="model", num_draft_tokens=3,
+                                 ignore_eos=True)
+    assert result.finish_reason == "length"
+    assert len(result.prompt_token_ids) + len(result.token_ids) == context
+    assert result.token_ids == hf_greedy(tiny_target, list(result.prompt_token_ids), len(result.token_ids))
