@@ -132,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "reread whenever it changes")
     _add_serve_flags(drafter, 50052)
     gateway = roles.add_parser("gateway")
+    from specdec.up import optional_port
     gateway.add_argument("--target", default=DEFAULT_TARGET, help="model whose tokenizer and chat template to use")
     gateway.add_argument("--verifier", action="append", default=[], help="verifier address (repeatable)")
     gateway.add_argument("--drafter", action="append", default=[], help="drafter address (repeatable)")
@@ -153,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--net-delay-ms", type=float, default=0.0,
                          help="inject this one-way delay on every message to drafters and verifiers "
                               "(benchmarks of cross-machine round trips; keep 0 in production)")
+    gateway.add_argument("--http-port", type=optional_port, default=None,
+                         help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                              "/v1/models, /health) on this port (off unless set; 'off' or 0: none)")
     _add_serve_flags(gateway, 50051)
 
     up = sub.add_parser("up", help="start drafter, verifier and gateway locally, supervised")
@@ -407,7 +411,8 @@ def _serve(args) -> int:
         coro = serve(args.target, args.verifier, args.drafter, options, limits,
                      discover_verifiers=args.discover_verifiers, discover_drafters=args.discover_drafters,
                      namespace=args.namespace,
-                     link_options=LinkOptions(draft_ahead=args.draft_ahead, net_delay_s=args.net_delay_ms / 1000))
+                     link_options=LinkOptions(draft_ahead=args.draft_ahead, net_delay_s=args.net_delay_ms / 1000),
+                     http_port=args.http_port or None)
     from specdec import telemetry
 
     telemetry.setup(f"specdec-{args.role}", endpoint=args.otlp_endpoint, detail=args.trace_detail)

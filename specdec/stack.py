@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 
-def free_port_block(size: int = 3) -> int:
-    """A port p with p .. p+size-1 all free on loopback (``specdec up`` uses gateway, +1, +2)."""
+def free_port_block(size: int = 4) -> int:
+    """A port p with p .. p+size-1 all free on loopback (``LocalStack``: gateway, +1 drafter, +2
+    verifier, +3 the gateway's HTTP API)."""
     for _ in range(50):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -60,7 +61,8 @@ def wait_serving(address: str, proc: subprocess.Popen | None = None, timeout: fl
 
 class LocalStack:
     """``with LocalStack(["--net-delay-ms", "5"]) as address: ...``: ``specdec up`` on free ports, entered
-    once the gateway, the drafter and the verifier all answer SERVING."""
+    once the gateway, the drafter and the verifier all answer SERVING. The gateway's OpenAI-compatible
+    HTTP API is at ``http_url`` (on a free port too: two stacks must not compete for 8000)."""
 
     def __init__(self, up_args: list[str] = (), quiet: bool = False, output=None) -> None:
         self.up_args = list(up_args)
@@ -68,12 +70,15 @@ class LocalStack:
         self.output = output  # a file for the stack's log (default: this process's stdout, or none if quiet)
         self.proc: subprocess.Popen | None = None
         self.address = ""
+        self.http_url = ""
 
     def __enter__(self) -> str:
         port = free_port_block()
         self.address = f"127.0.0.1:{port}"
+        self.http_url = f"http://127.0.0.1:{port + 3}/v1"
         output = self.output if self.output is not None else (subprocess.DEVNULL if self.quiet else None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "up", "--port", str(port), *self.up_args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "up", "--port", str(port),
+                                      "--http-port", str(port + 3), *self.up_args],
                                      start_new_session=True, stdout=output, stderr=output)
         try:
             # All three: the gateway serves before its drafter is ready (and would draft by n-gram).

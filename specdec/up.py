@@ -1,8 +1,9 @@
 """``specdec up``: drafter, verifier and gateway on one machine, supervised (``specdec.supervisor``).
 
 The gateway listens on ``--port``, the drafter on +1, the verifier on +2 (metrics, when asked for,
-on ``--metrics-port`` +0/+1/+2 in the same order). Flags that the services take one by one
-(keys, TLS, limits) are passed to the child that uses them.
+on ``--metrics-port`` +0/+1/+2 in the same order). The gateway's OpenAI-compatible HTTP API listens
+on ``--http-port``: 8000 unless that is taken (then off, with a note), ``off`` for none. Flags that
+the services take one by one (keys, TLS, limits) are passed to the child that uses them.
 
 The stack is closed by default: each run draws a random service token and hands it to the three
 children in their environment (``SPECDEC_SERVICE_TOKEN``; never on a command line, which other
@@ -15,12 +16,14 @@ import argparse
 import os
 import secrets
 import signal
+import socket
 import sys
 import threading
 
 from specdec.supervisor import ChildSpec, Supervisor
 
 LOG_PREFIX = "[up      ]"
+DEFAULT_HTTP_PORT = 8000  # where OpenAI-compatible servers usually listen
 
 
 def add_arguments(up: argparse.ArgumentParser, default_target: str) -> None:
@@ -35,6 +38,9 @@ def add_arguments(up: argparse.ArgumentParser, default_target: str) -> None:
     up.add_argument("--net-delay-ms", type=float, default=0.0, help="gateway: injected one-way delay per message")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=50051, help="gateway port; drafter +1, verifier +2")
+    up.add_argument("--http-port", type=optional_port, default=None,
+                    help=f"the gateway's OpenAI-compatible HTTP API (default {DEFAULT_HTTP_PORT} when free, "
+                         "else off; 'off' or 0: none)")
     up.add_argument("--metrics-port", type=int, default=None,
                     help="Prometheus ports: gateway on this one, drafter +1, verifier +2 (off when unset)")
     up.add_argument("--drafter-nice", type=int, default=19,
@@ -63,6 +69,31 @@ def add_arguments(up: argparse.ArgumentParser, default_target: str) -> None:
     up.add_argument("--service-token-file", default=None,
                     help="the token the gateway presents to drafter and verifier (default: a random one per run, "
                          "which nothing outside the stack knows)")
+
+
+def optional_port(text: str) -> int:
+    """A port flag that can be turned off: ``off`` (or 0) is 0, which means none."""
+    if text.strip().lower() in ("off", "none", "0"):
+        return 0
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number or 'off', not {text!r}") from None
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"port {port} is outside 1-65535")
+    return port
+
+
+def default_http_port(host: str) -> int:
+    """``DEFAULT_HTTP_PORT`` if it is free on ``host``, else 0 (off): a second stack on one machine,
+    or anything else on 8000, must not keep the gateway from starting."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the gateway will bind it
+            probe.bind((host, DEFAULT_HTTP_PORT))
+    except OSError:
+        return 0
+    return DEFAULT_HTTP_PORT
 
 
 def deprioritise(nice: int, idle: bool):
@@ -158,6 +189,7 @@ def children(args) -> list[ChildSpec]:
                                      "--drafter", f"{peer_host}:{drafter_port}",
                                      "--draft-ahead" if args.draft_ahead else "--no-draft-ahead",
                                      "--net-delay-ms", str(args.net_delay_ms), *common, *metrics(0),
+                                     *_flags(args, ["http-port"]),
                                      *_flags(args, ["max-new-tokens-cap", "max-prompt-tokens", "api-keys-file"])],
                   f"{peer_host}:{gateway_port}", drain_order=0, env=env),
     ]
@@ -194,6 +226,11 @@ def run(args) -> int:
     except ModelLoadError as exc:  # e.g. a synthetic:... name that does not parse
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.http_port is None:
+        args.http_port = default_http_port(args.host)
+        if not args.http_port:
+            print(f"{LOG_PREFIX} port {DEFAULT_HTTP_PORT} is taken: no HTTP API (--http-port to choose one)",
+                  file=sys.stderr, flush=True)
     specs = children(args)
     supervisor = Supervisor(specs, log=lambda line: print(f"{LOG_PREFIX} {line}", file=sys.stderr, flush=True),
                             credentials=_health_credentials(args))
@@ -201,7 +238,9 @@ def run(args) -> int:
     # Also when started in the background, where the shell leaves SIGINT ignored.
     signal.signal(signal.SIGINT, lambda *_: supervisor.stop.set())
     supervisor.start_all()
-    print(f"{LOG_PREFIX} gateway will listen on {args.host}:{args.port}", flush=True)
+    scheme = "https" if args.tls_cert else "http"
+    http_note = f", OpenAI-compatible HTTP API on {scheme}://{args.host}:{args.http_port}/v1" if args.http_port else ""
+    print(f"{LOG_PREFIX} gateway will listen on {args.host}:{args.port}{http_note}", flush=True)
     threading.Thread(target=_announce_ready, args=(supervisor, specs), daemon=True).start()
     try:
         supervisor.run()

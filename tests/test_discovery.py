@@ -165,7 +165,7 @@ def test_pool_follows_discovered_addresses():
     """BackendPool.set_addresses (the watcher's callback) adds new replicas and retires removed ones."""
     import asyncio
 
-    from gateway.server import BackendPool
+    from gateway.pools import BackendPool
     from specdec.v1 import verifier_pb2_grpc
 
     async def scenario():

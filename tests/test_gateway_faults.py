@@ -26,7 +26,7 @@ import pytest
 
 from gateway.links import MigratingVerifier, RemoteDrafter, VerifierUnavailable
 from gateway.requests import bad_utf8_field
-from gateway.server import Backend
+from gateway.pools import Backend
 from specdec.client import ChunkEvent, FinalEvent, GatewayClient, build_request
 from specdec.completion import CompletionBuilder
 from specdec.engine import GenerationResult, LocalVerifier, generate

@@ -20,9 +20,10 @@ FINISH_REASON_FROM_PB = {v: k for k, v in FINISH_REASON_TO_PB.items()}
 
 
 def sampling_from_pb(
-    pb: types_pb2.SamplingParams, default_max_new_tokens: int = 128, draft_top_k: int = 0
+    pb: types_pb2.SamplingParams, default_max_new_tokens: int = 128, draft_top_k: int = 0, validate: bool = True
 ) -> SamplingParams:
-    """Build and validate core sampling params; ``ValueError`` names the bad field."""
+    """Build and validate core sampling params; ``ValueError`` names the bad field. ``validate=False``
+    leaves the checks to the caller (the gateway checks its limits first)."""
     params = SamplingParams(
         max_new_tokens=pb.max_new_tokens or default_max_new_tokens,
         temperature=float(pb.temperature),
@@ -34,7 +35,8 @@ def sampling_from_pb(
         ignore_eos=bool(pb.ignore_eos),
         draft_top_k=draft_top_k or DEFAULT_DRAFT_TOP_K,
     )
-    params.validate()
+    if validate:
+        params.validate()
     return params
 
 

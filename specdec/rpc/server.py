@@ -118,7 +118,8 @@ REQUEST_STATUSES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.
                               grpc.StatusCode.OUT_OF_RANGE})
 
 
-def _error_message(exc: BaseException) -> str:
+def error_message(exc: BaseException) -> str:
+    """What the client is told about ``exc`` (a downstream failure says so)."""
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"downstream: {exc.details()}"
     return str(exc) or type(exc).__name__
@@ -128,7 +129,7 @@ async def _abort_with_status(exc: Exception, context, handler_name: str) -> None
     code = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:  # a bug here: the traceback is what fixes it
         log.exception("internal error in %s", handler_name)
-    await context.abort(code, _error_message(exc))
+    await context.abort(code, error_message(exc))
 
 
 def map_errors(handler: Callable) -> Callable:
@@ -292,6 +293,11 @@ class ServiceRuntime:
 
     def request_stop(self) -> None:
         self._stopping.set()
+
+    async def stop_requested(self) -> None:
+        """Return once SIGTERM/SIGINT (or ``request_stop``) asked for a drain (other listeners of
+        the service, such as the gateway's HTTP front, drain beside the gRPC server)."""
+        await self._stopping.wait()
 
     async def drain(self) -> None:
         log.info("%s draining (grace %.1fs)", self.service_name, self.options.grace_s)

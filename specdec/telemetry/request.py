@@ -14,10 +14,11 @@ class RequestTelemetry:
 
     Lifecycle: ``begin()`` once the request is validated, ``metadata()`` for the downstream streams,
     ``on_round`` as the loop's observer, ``finish(result)`` with the final result, then ``end()``
-    (``fail(exc)`` first on an error or cancel).
+    (``fail(exc)`` first on an error or cancel). ``attributes``: the front's own (``rpc.*`` for
+    gRPC, ``http.*`` for the HTTP API), on the span from its start.
     """
 
-    def __init__(self, tel, metrics: GenAIMetrics, operation: str, model: str) -> None:
+    def __init__(self, tel, metrics: GenAIMetrics, operation: str, model: str, attributes: dict | None = None) -> None:
         self.tel = tel
         self.metrics = metrics
         self.operation = operation
@@ -44,7 +45,8 @@ class RequestTelemetry:
             span = tel.tracer.start_span(
                 f"{operation} {model}", kind=SpanKind.SERVER,
                 attributes={"gen_ai.operation.name": operation, "gen_ai.provider.name": "specdec",
-                            "gen_ai.request.model": model, "specdec.trace.detail": tel.detail},
+                            "gen_ai.request.model": model, "specdec.trace.detail": tel.detail,
+                            **(attributes or {})},
             )
             self._context_span = span
             self.span = span if span.is_recording() else None
@@ -69,6 +71,11 @@ class RequestTelemetry:
         if params.stop:
             attrs["gen_ai.request.stop_sequences"] = list(params.stop)
         self.span.set_attributes(attrs)
+
+    def set_attributes(self, attributes: dict) -> None:
+        """Attributes known only later (the HTTP status of the response)."""
+        if self.span is not None:
+            self.span.set_attributes(attributes)
 
     def links(self, verifier, drafter, verifier_address: str, drafter_address: str | None,
               draft_model: str | None) -> None:

@@ -1,0 +1,381 @@
+"""The gateway's request path, shared by its two fronts: the gRPC ``Generate`` (``gateway/server.py``)
+and the OpenAI-compatible HTTP API (``gateway/http.py``).
+
+Each front translates its wire format into a ``GenerationRequest`` at its edge; here the request is
+validated (``ValueError`` naming the field, in the gRPC API's names: ``sampling.temperature``),
+admitted, tokenized off the event loop, and generated over a verifier and a drafter session. The
+front turns the events (``Chunk`` ... ``Finished``) back into its wire format. Nothing here builds a
+protobuf.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from specdec import telemetry
+from specdec.completion import Chunk, CompletionBuilder
+from specdec.drafters import NgramDrafter
+from specdec.engine import GenerationResult, LocalDrafter, generate
+from specdec.models import tokenizer_fingerprint
+from specdec.policy import AcceptanceMemory, make_policy
+from specdec.prompts import encode_chat, encode_text
+from specdec.rpc.server import NotReady, Overloaded, ServiceRuntime
+from specdec.sampling import SamplingParams, with_random_seed
+
+from gateway.links import MigratingVerifier, RemoteDrafter
+from gateway.pools import BackendPool
+
+log = logging.getLogger("specdec.gateway")
+METHODS = ("auto", "model", "ngram", "none")
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass
+class GatewayLimits:
+    max_sessions: int = 64
+    max_prompt_tokens: int = 4096
+    max_new_tokens: int = 2048
+    default_max_new_tokens: int = 128
+    max_draft_tokens: int = 16
+    max_stop_strings: int = 16
+    max_stop_length: int = 256
+    max_request_id_length: int = 256
+    # Checked before tokenizing (what the event loop can afford for any request): the prompt's
+    # characters, or the message contents' in all; None = 16 per prompt token (a token of real text
+    # averages about 4), so a prompt far past max_prompt_tokens is refused without tokenizing it.
+    max_prompt_chars: int | None = None
+    max_stop_token_ids: int = 256
+    # A request that arrives while no verifier is ready (one restarting, a rollout) waits this long,
+    # within its deadline, for one instead of failing at once.
+    verifier_wait_s: float = 30.0
+
+    @property
+    def prompt_chars(self) -> int:
+        return self.max_prompt_chars if self.max_prompt_chars is not None else 16 * self.max_prompt_tokens
+
+
+@dataclass
+class LinkOptions:
+    """How the gateway drives its downstream streams."""
+
+    draft_ahead: bool = False  # default for requests that leave speculation.draft_ahead unspecified
+    net_delay_s: float = 0.0  # injected one-way delay per message (benchmarks of cross-machine links)
+
+
+@dataclass
+class GenerationRequest:
+    """One request as a front hands it over. Exactly one of ``prompt``, ``messages`` (``(role,
+    content)`` pairs; any sized iterable, read only after its length passed the limit) and
+    ``prompt_token_ids`` is set. ``sampling`` is not validated yet; its ``max_new_tokens`` 0 means
+    the gateway's default. ``method`` "" = auto; ``draft_ahead`` None = the gateway's default."""
+
+    request_id: str = ""
+    prompt: str = ""
+    messages: Sequence[tuple[str, str]] = ()
+    prompt_token_ids: Sequence[int] = ()
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_new_tokens=0))
+    method: str = ""
+    num_draft_tokens: int = 0
+    draft_ahead: bool | None = None
+
+    @property
+    def operation(self) -> str:
+        """gen_ai.operation.name"""
+        return "chat" if len(self.messages) else "text_completion"
+
+
+@dataclass
+class Finished:
+    """The last event of a generation."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    result: GenerationResult
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class GatewayCore:
+    """Validation, admission, replica choice and the speculative loop of every request."""
+
+    def __init__(self, runtime: ServiceRuntime, tokenizer, limits: GatewayLimits,
+                 verifiers: BackendPool, drafters: BackendPool, link_options: LinkOptions | None = None) -> None:
+        self.runtime = runtime
+        self.link_options = link_options or LinkOptions()
+        self.tokenizer = tokenizer
+        self.fingerprint = tokenizer_fingerprint(tokenizer)
+        self.vocab_size = len(tokenizer)
+        self.limits = limits
+        self.verifiers = verifiers
+        self.drafters = drafters
+        self.telemetry = telemetry.current()
+        self.metrics = telemetry.ServiceMetrics(runtime.registry, "gateway", self.telemetry)
+        self.genai_metrics = telemetry.GenAIMetrics(runtime.registry, self.telemetry)
+        self.model_name = ""  # gen_ai.request.model: the gateway's --target
+        self.serving = False  # what grpc.health.v1 says (a verifier is ready)
+        self.active = 0
+        self.waiting = 0  # requests admitted that wait for a ready verifier (they count against max_sessions)
+        self.eos_token_ids: tuple[int, ...] = ()
+        self.max_positions = 1 << 30
+        # Warm starts for adaptive draft lengths, per (draft method, draft model, target model).
+        self.acceptance_memory = AcceptanceMemory()
+        # Tokenizing (up to limits.prompt_chars characters) runs here, never on the event loop, so
+        # a long prompt cannot stall the other streams. One thread: the tokenizer is shared.
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-tokenize")
+
+    # -- startup -------------------------------------------------------------------------------
+    async def connect(self, poll_s: float = 0.5, refresh_s: float = 2.0, startup_wait_s: float = 15.0) -> None:
+        """Serve once every configured replica is ready (or, after ``startup_wait_s``, once any
+        verifier is); then keep every replica's readiness and load fresh."""
+        self.verifiers.fingerprint = self.drafters.fingerprint = self.fingerprint
+        started = asyncio.get_running_loop().time()
+        while True:
+            await asyncio.gather(self.verifiers.refresh(), self.drafters.refresh())
+            ready = self.verifiers.ready()
+            if ready:
+                model = ready[0].info.model
+                self.eos_token_ids = tuple(model.eos_token_ids)
+                self.max_positions = model.max_positions or self.max_positions
+            all_ready = all(b.info is not None for b in self.verifiers.backends + self.drafters.backends)
+            waited = asyncio.get_running_loop().time() - started > startup_wait_s
+            should_serve = bool(ready) and (self.serving or all_ready or waited)
+            if should_serve != self.serving:
+                self.serving = should_serve
+                await self.runtime.set_serving(should_serve)
+            await asyncio.sleep(refresh_s if self.serving and all_ready else poll_s)
+
+    # -- request validation ----------------------------------------------------------------------
+    async def off_loop(self, fn, *args):
+        """``fn(*args)`` on the tokenizer's thread (work a request's size could make long)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    def rejected_invalid(self) -> None:
+        """Count a request refused as INVALID_ARGUMENT (a front's own checks call it too)."""
+        self.metrics.rejected.labels("gateway", "INVALID_ARGUMENT").inc()
+
+    def _input(self, request: GenerationRequest):
+        """The request's input, checked for size before any tokenizing: ``("prompt", text)``,
+        ``("messages", [(role, content)])`` or ``("prompt_token_ids", ids)``."""
+        limits = self.limits
+        text = request.prompt
+        inputs = (("prompt", text), ("messages", request.messages), ("prompt_token_ids", request.prompt_token_ids))
+        given = [name for name, value in inputs if len(value)]
+        if len(given) != 1:
+            raise ValueError("input: set exactly one of prompt, messages, prompt_token_ids")
+        if given[0] == "prompt":
+            if len(text) > limits.prompt_chars:
+                raise ValueError(f"prompt: {len(text)} characters exceed the limit of {limits.prompt_chars}")
+            return "prompt", text
+        if given[0] == "messages":
+            if len(request.messages) > limits.max_prompt_tokens:  # each message costs tokens
+                raise ValueError(f"messages: {len(request.messages)} messages exceed the limit of {limits.max_prompt_tokens}")
+            messages, chars = [], 0
+            for i, (role, content) in enumerate(request.messages):
+                if role not in ROLES:
+                    raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}")
+                chars += len(content)
+                messages.append((role, content))
+            if chars > limits.prompt_chars:
+                raise ValueError(f"messages: {chars} characters of content exceed the limit of {limits.prompt_chars}")
+            return "messages", messages
+        if len(request.prompt_token_ids) > limits.max_prompt_tokens:
+            raise ValueError(f"prompt_token_ids: {len(request.prompt_token_ids)} prompt tokens exceed the limit "
+                             f"of {limits.max_prompt_tokens}")
+        ids = [int(t) for t in request.prompt_token_ids]
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: id {bad} is outside the vocabulary (size {self.vocab_size})")
+        return "prompt_token_ids", ids
+
+    async def _prompt_ids(self, field: str, value) -> list[int]:
+        """Token ids of an input from ``_input``; tokenizing runs off the event loop."""
+        if field == "prompt":
+            ids = await self.off_loop(encode_text, self.tokenizer, value)
+        elif field == "messages":
+            try:
+                ids = await self.off_loop(encode_chat, self.tokenizer, value)
+            except ValueError:
+                raise
+            except Exception as exc:
+                if type(exc).__module__.startswith("jinja2"):  # the template refused them (raise_exception)
+                    raise ValueError(f"messages: {exc}") from exc
+                raise
+        else:
+            ids = value
+        if not ids:
+            raise ValueError(f"{field}: encodes to no tokens")
+        if len(ids) > self.limits.max_prompt_tokens:
+            raise ValueError(f"{field}: {len(ids)} prompt tokens exceed the limit of {self.limits.max_prompt_tokens}")
+        if len(ids) + 1 >= self.max_positions:
+            raise ValueError(f"{field}: no room left in the model context")
+        return ids
+
+    def _validate(self, request: GenerationRequest):
+        """Every check that costs next to nothing (sizes included); tokenizing comes after."""
+        limits = self.limits
+        if len(request.request_id) > limits.max_request_id_length:
+            raise ValueError(f"request_id: longer than {limits.max_request_id_length} characters")
+        sampling = request.sampling
+        if sampling.max_new_tokens > limits.max_new_tokens:
+            raise ValueError(f"sampling.max_new_tokens: {sampling.max_new_tokens} exceeds the limit of {limits.max_new_tokens}")
+        if len(sampling.stop) > limits.max_stop_strings or any(len(s) > limits.max_stop_length for s in sampling.stop):
+            raise ValueError(f"sampling.stop: at most {limits.max_stop_strings} strings of <= {limits.max_stop_length} characters")
+        if len(sampling.stop_token_ids) > limits.max_stop_token_ids:
+            raise ValueError(f"sampling.stop_token_ids: at most {limits.max_stop_token_ids} ids")
+        if any(t >= self.vocab_size for t in sampling.stop_token_ids):
+            raise ValueError("sampling.stop_token_ids: ids must be below the vocabulary size")
+        params = dataclasses.replace(sampling, max_new_tokens=sampling.max_new_tokens or limits.default_max_new_tokens)
+        params.validate()
+        params = with_random_seed(params)
+        method = request.method or "auto"
+        if method not in METHODS:
+            raise ValueError(f"speculation.method: {method!r} is not one of {', '.join(METHODS)}")
+        if method == "model" and not self.drafters.backends:
+            raise ValueError("speculation.method: 'model' needs a drafter service and none is configured")
+        k = request.num_draft_tokens
+        if k < 0:
+            raise ValueError(f"speculation.num_draft_tokens: {k} is negative")
+        if k > limits.max_draft_tokens:
+            raise ValueError(f"speculation.num_draft_tokens: {k} exceeds the limit of {limits.max_draft_tokens}")
+        draft_ahead = self.link_options.draft_ahead if request.draft_ahead is None else request.draft_ahead
+        field, value = self._input(request)
+        return (field, value), params, method, k, draft_ahead
+
+    def _admit(self) -> None:
+        if self.active + self.waiting >= self.limits.max_sessions:
+            self.metrics.rejected.labels("gateway", "RESOURCE_EXHAUSTED").inc()
+            raise Overloaded(f"gateway at capacity ({self.limits.max_sessions} concurrent requests)")
+
+    async def _wait_for_verifier(self, time_remaining: Callable[[], float | None], poll_s: float = 0.1) -> None:
+        """Wait, up to ``verifier_wait_s`` and the request's deadline, until a verifier is ready: a
+        restart or a rollout then delays requests instead of failing them. UNAVAILABLE after that."""
+        if self.verifiers.ready():
+            return
+        remaining = time_remaining()
+        wait_s = self.limits.verifier_wait_s if remaining is None else min(self.limits.verifier_wait_s, remaining)
+        deadline = asyncio.get_running_loop().time() + wait_s
+        self.waiting += 1
+        try:
+            while not self.verifiers.ready():
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise NotReady(f"no verifier is ready (waited {wait_s:.0f} s)")
+                await asyncio.sleep(poll_s)
+        finally:
+            self.waiting -= 1
+
+    # -- one request -------------------------------------------------------------------------------
+    def request_telemetry(self, request: GenerationRequest, attributes: dict | None = None) -> telemetry.RequestTelemetry:
+        """The request's span and metrics; ``attributes``: the front's own (route, protocol).
+        The front calls ``fail`` and ``end`` on it around ``generate``."""
+        return telemetry.RequestTelemetry(self.telemetry, self.genai_metrics, request.operation, self.model_name,
+                                          attributes)
+
+    async def generate(self, request: GenerationRequest, obs: telemetry.RequestTelemetry,
+                       time_remaining: Callable[[], float | None] = lambda: None) -> AsyncIterator[Chunk | Finished]:
+        """``Chunk``s as tokens commit, then one ``Finished``. Errors before the first event are the
+        request's (ValueError, Overloaded, NotReady); closing the iterator early (a client that
+        went away) frees the sessions on every service. ``time_remaining``: the client's deadline."""
+        try:
+            prompt_input, params, method, k, draft_ahead = self._validate(request)
+        except ValueError:
+            self.rejected_invalid()
+            raise
+        self._admit()  # before tokenizing: a full gateway refuses at once
+        try:
+            prompt_ids = await self._prompt_ids(*prompt_input)
+        except ValueError:
+            self.rejected_invalid()
+            raise
+        if method == "auto":
+            method = "model" if self.drafters.ready("model") else "ngram"
+        await self._wait_for_verifier(time_remaining)
+        self._admit()  # again: others may have been admitted meanwhile (no await from here to active += 1)
+        verifier_backend = self.verifiers.pick()
+        if verifier_backend is None:
+            raise NotReady("no verifier is ready")
+        request_id = request.request_id or new_request_id()
+        # Downstream session ids are ours, unguessable, never the client's request_id (which another
+        # client could choose too, or use to cancel a session that is not its own).
+        verifier_session, drafter_session = uuid.uuid4().hex, uuid.uuid4().hex
+        obs.begin(request_id=request_id, params=params, prompt_tokens=len(prompt_ids), method=method, requested_k=k)
+        metadata = obs.metadata()  # W3C trace context for both downstream streams (None: tracing off)
+        self.active += 1
+        self.metrics.active_sessions.set(self.active)
+        self.metrics.requests.inc()
+        links = self.link_options
+        verifier = MigratingVerifier(self.verifiers, verifier_backend, verifier_session, prompt_ids, params,
+                                     time_remaining, metadata, links.net_delay_s, request_id=request_id)
+        # A drafter service of that method if one runs; n-gram lookup can also run right here.
+        drafter_backend = self.drafters.pick(method) if method in ("model", "ngram") else None
+        drafter_link, remote_drafter = None, None
+        draft_model = drafter_backend.info.model.model if drafter_backend is not None else ""
+        policy = make_policy(k, memory=self.acceptance_memory, max_k=self.limits.max_draft_tokens,
+                             key=AcceptanceMemory.make_key(method, draft_model, verifier_backend.info.model.model),
+                             forward_curve=list(verifier_backend.info.forward_cost_s) or None,
+                             co_batched=max(0, verifier_backend.load - 1))  # its other sessions, this one opened
+        if drafter_backend is not None:
+            drafter_backend.in_flight += 1
+            remote_drafter = RemoteDrafter(drafter_backend.stub, drafter_session, prompt_ids, params,
+                                           time_remaining, metadata, net_delay_s=links.net_delay_s,
+                                           request_id=request_id)
+            if policy.expects_to_draft():
+                # The drafter's prefill overlaps the verifier's. When plain decoding is expected to
+                # win (what this draft pair measured before), the session opens at the first
+                # proposal instead: its prefill then cannot delay the first token.
+                remote_drafter.begin()
+            obs.drafter_opened_at_prefill(remote_drafter.started)
+            drafter_link = remote_drafter
+        elif method == "ngram":
+            drafter_link = LocalDrafter(NgramDrafter().start(prompt_ids, params))
+        obs.links(verifier, drafter_link, verifier_backend.address,
+                  drafter_backend.address if drafter_backend is not None else None,
+                  (drafter_backend.info.model.model or None) if drafter_backend is not None else None)
+        log.info("request %s: verifier session %s on %s, drafter session %s", request_id, verifier_session,
+                 verifier_backend.address, f"{drafter_session} on {drafter_backend.address}" if remote_drafter else "none")
+        if obs.span is not None:
+            obs.span.set_attribute("specdec.verifier.session_id", verifier_session)
+            if remote_drafter is not None:
+                obs.span.set_attribute("specdec.drafter.session_id", drafter_session)
+        try:
+            obs.generation_started()
+            events = generate(
+                prompt_tokens=len(prompt_ids),
+                completion=CompletionBuilder(self.tokenizer, params, self.eos_token_ids),
+                verifier=verifier,
+                drafter=drafter_link,
+                policy=policy,
+                draft_method=method,
+                max_context=self.max_positions,
+                on_round=obs.on_round,
+                draft_ahead=(remote_drafter is not None and draft_ahead
+                             and drafter_backend.info is not None and drafter_backend.info.supports_draft_ahead),
+            )
+            async for event in events:
+                if isinstance(event, GenerationResult):
+                    obs.finish(event)
+                    self.metrics.draft_tokens.inc(event.stats.draft_tokens)
+                    self.metrics.accepted_tokens.inc(event.stats.accepted_tokens)
+                    yield Finished(request_id, prompt_ids, event)
+                else:
+                    self.metrics.tokens.inc(len(event.token_ids))
+                    yield event
+        finally:
+            # Finish, client cancel or disconnect, deadline or error: release both downstream sessions.
+            if log.isEnabledFor(logging.DEBUG) and hasattr(policy, "estimates"):
+                log.debug("request %s: draft-length model at the end %s", request_id, policy.estimates(4))
+            policy.close()
+            self.active -= 1
+            self.metrics.active_sessions.set(self.active)
+            closers = [verifier.close()]
+            if remote_drafter is not None:
+                drafter_backend.in_flight -= 1
+                closers.append(remote_drafter.close())
+            await asyncio.shield(asyncio.gather(*closers, return_exceptions=True))
