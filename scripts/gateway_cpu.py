@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from specdec.client import AsyncGatewayClient  # noqa: E402
-from specdec.stack import free_port_block, wait_serving  # noqa: E402
+from specdec.stack import free_port_block, service_pids, wait_serving  # noqa: E402
 
 PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how a hash map works.",
            "List ten facts about the moon.", "def quicksort(xs):"]
@@ -34,15 +34,6 @@ PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how a hash
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
-def gateway_pid(up_pid: int) -> int:
-    for task in Path(f"/proc/{up_pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-            if b"serve" in argv and argv[argv.index(b"serve") + 1] == b"gateway":
-                return int(child)
-    raise RuntimeError("no gateway process under specdec up")
 
 
 async def streams(address: str, count: int, tokens: int, method: str) -> int:
@@ -62,7 +53,9 @@ def measure(path: Path, count: int, tokens: int, methods: list[str]) -> dict[str
     try:
         for offset in range(3):
             wait_serving(f"127.0.0.1:{port + offset}", proc)
-        pid = gateway_pid(proc.pid)
+        pid = service_pids(proc.pid).get("gateway")
+        if pid is None:
+            raise RuntimeError("no gateway process under specdec up")
         out = {}
         for method in methods:
             asyncio.run(streams(f"127.0.0.1:{port}", 2, 8, method))  # warm-up

@@ -55,10 +55,14 @@ class IncrementalDecoder:
     def _decode(self, start: int, end: int | None = None) -> str:
         return self.tokenizer.decode(self.ids[start:end], skip_special_tokens=True)
 
+    def _settled_context(self) -> str:
+        """The window's left context as decoded before: what a new decode of the window starts with."""
+        return self._decode(self.prefix, self.read) if self.read > self.prefix else ""
+
     def push(self, token: int) -> str:
         """Append ``token``; the text it settles (maybe empty)."""
         self.ids.append(token)
-        settled = self._decode(self.prefix, self.read) if self.read > self.prefix else ""
+        settled = self._settled_context()
         window = self._decode(self.prefix)
         waiting = window.endswith(INCOMPLETE) or not window.startswith(settled)
         if waiting and len(self.ids) - self.read < MAX_PENDING:
@@ -72,8 +76,7 @@ class IncrementalDecoder:
 
     def flush(self) -> str:
         """The text of the tokens still pending (an incomplete character decodes as U+FFFD)."""
-        settled = self._decode(self.prefix, self.read) if self.read > self.prefix else ""
-        added = self._decode(self.prefix)[len(settled):]
+        added = self._decode(self.prefix)[len(self._settled_context()):]
         self.prefix = self.read = len(self.ids)
         if added:
             self.pieces.append(added)
@@ -136,15 +139,12 @@ class CompletionBuilder:
                 self.finish_reason = FINISH_LENGTH
             if self.finished:
                 break
-        if self.finished:
-            if cut is None:
-                self._unsent += self._decoder.flush()
-                self._final_text = self._decoder.text
-                delta = self._unsent
-            else:
-                delta = self._unsent[:cut]
-                full = self._decoder.text
-                self._final_text = full[: len(full) - len(self._unsent) + cut]
+        if self.finished and cut is None:
+            delta = self._release_all()
+        elif self.finished:
+            delta = self._unsent[:cut]
+            full = self._decoder.text
+            self._final_text = full[: len(full) - len(self._unsent) + cut]
             self._unsent = ""
         else:
             held = self._stop_prefix_overlap(self._unsent)
@@ -157,9 +157,13 @@ class CompletionBuilder:
         if self.finished:
             return Chunk([], "")
         self.finish_reason = FINISH_LENGTH
+        return Chunk([], self._release_all())
+
+    def _release_all(self) -> str:
+        """Finished without a stop string: every decoded byte is the text, and all that is unsent goes."""
         delta = self._unsent + self._decoder.flush()
         self._unsent, self._final_text = "", self._decoder.text
-        return Chunk([], delta)
+        return delta
 
     def _stop_prefix_overlap(self, text: str) -> int:
         """Length of the longest tail of ``text`` that could begin a stop string (held back)."""

@@ -134,14 +134,12 @@ class KVSession:
         pass, which may have grown some layers and not others)."""
         if isinstance(self.cache, LeanKV):  # a failed lean pass never moved the length; a rollback may
             self.cache.crop(min(self.cache.length, length))
-            del self.cached_tokens[length:]
-            self.committed = min(self.committed, length)
-            return
-        for layer in self.cache.layers if self.cache is not None else ():
-            if isinstance(layer, GrowingKVLayer):
-                layer.crop(min(layer.length, length))
-            elif hasattr(layer, "get_seq_length") and layer.get_seq_length() > length:
-                layer.crop(length - layer.get_seq_length())  # transformers' layers: drop that many
+        else:
+            for layer in self.cache.layers if self.cache is not None else ():
+                if isinstance(layer, GrowingKVLayer):
+                    layer.crop(min(layer.length, length))
+                elif hasattr(layer, "get_seq_length") and layer.get_seq_length() > length:
+                    layer.crop(length - layer.get_seq_length())  # transformers' layers: drop that many
         del self.cached_tokens[length:]
         self.committed = min(self.committed, length)
 

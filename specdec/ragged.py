@@ -83,10 +83,16 @@ def batched_forward(lm: LoadedModel, rows: Sequence[ForwardRow]) -> list[torch.T
         for row, past in zip(rows, past_lengths):  # layers the pass reached grew: roll every row back
             row.kv.rollback_to(past)
         raise
+    return _hand_out(rows, feeds, logits[0])
+
+
+def _hand_out(rows: Sequence[ForwardRow], feeds: list[list[int]], logits: torch.Tensor) -> list[torch.Tensor]:
+    """After a successful pass: each row's slice of the packed logits [sum(num_logits), V], and each
+    row's cache told what it was fed."""
     out = []
     first = 0
     for row, feed in zip(rows, feeds):
-        out.append(logits[0, first : first + row.num_logits])
+        out.append(logits[first : first + row.num_logits])
         first += row.num_logits
         row.kv.fed(feed, row.committed)
     return out
@@ -97,13 +103,7 @@ def _lean_batched_forward(lm: LoadedModel, rows: Sequence[ForwardRow]) -> list[t
     layer with a block mask); a pass that fails leaves every cache at its prepared length."""
     feeds = [row.kv.prepare(row.tokens, row.num_logits) for row in rows]
     logits = lm.lean.forward([row.kv.lean_cache for row in rows], feeds, [row.num_logits for row in rows])
-    out = []
-    first = 0
-    for row, feed in zip(rows, feeds):
-        out.append(logits[first : first + row.num_logits])
-        first += row.num_logits
-        row.kv.fed(feed, row.committed)
-    return out
+    return _hand_out(rows, feeds, logits)
 
 
 class RaggedKV:

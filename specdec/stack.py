@@ -103,19 +103,22 @@ class LocalStack:
 
     def service_pids(self) -> dict[str, int]:
         """The live service processes of this stack by role (``specdec up``'s children, from /proc)."""
-        found: dict[str, int] = {}
-        if self.proc is None:
-            return found
-        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+        return {} if self.proc is None else service_pids(self.proc.pid)
+
+
+def service_pids(up_pid: int) -> dict[str, int]:
+    """The live service processes of the ``specdec up`` process ``up_pid`` by role (its children, from /proc)."""
+    found: dict[str, int] = {}
+    for task in Path(f"/proc/{up_pid}/task").iterdir():
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:  # that thread ended between the listing and the read
+            continue
+        for child in children:
             try:
-                children = (task / "children").read_text().split()
-            except OSError:  # that thread ended between the listing and the read
+                argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            except OSError:  # exited meanwhile
                 continue
-            for child in children:
-                try:
-                    argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-                except OSError:  # exited meanwhile
-                    continue
-                if b"serve" in argv[:-1]:
-                    found[argv[argv.index(b"serve") + 1].decode()] = int(child)
-        return found
+            if b"serve" in argv[:-1]:
+                found[argv[argv.index(b"serve") + 1].decode()] = int(child)
+    return found

@@ -309,7 +309,6 @@ def test_the_table_counts_each_timed_product_for_every_weight_of_its_shape(tiny_
     model = LeanModel.from_hf(tiny_hf, timed_bytes=1)  # the first layer only, plus the head
     layers = len(model.layers)
     assert layers >= 2 and len(model.plan.timed) == 4 + 1
-    if model.plan.table:  # several backends here: the table was measured with these weights
-        weights = model.plan._weights
-        assert weights[tuple(model.head.weight.shape)] == 1
-        assert all(weights[tuple(lin.weight.shape)] == layers for lin in model.layers[0][1:])
+    weights = model.plan._weights
+    assert weights[tuple(model.head.weight.shape)] == 1
+    assert all(weights[tuple(lin.weight.shape)] == layers for lin in model.layers[0][1:])

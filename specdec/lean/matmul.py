@@ -181,6 +181,16 @@ class ThreadRegime:
                 torch.set_num_threads(threads)
 
 
+def _random_inputs(rows: int, linears: list[Linear]) -> dict[int, torch.Tensor]:
+    """One random [rows, width] input per input width of ``linears`` (their dtype and device)."""
+    inputs: dict[int, torch.Tensor] = {}
+    for linear in linears:
+        width = linear.weight.shape[1]
+        if width not in inputs:
+            inputs[width] = torch.randn(rows, width, dtype=linear.weight.dtype, device=linear.weight.device)
+    return inputs
+
+
 def bucket_of(rows: int, buckets=BUCKETS) -> int:
     for bucket in buckets:
         if rows <= bucket:
@@ -201,6 +211,10 @@ class MatmulPlan:
         with the same key reads it instead of measuring (delete the file to measure again)."""
         self.linears = linears
         self.timed = timed or linears
+        # A timed product stands for every weight of its shape (the head once, a projection once per layer).
+        every = Counter(tuple(linear.weight.shape) for linear in linears)
+        timed_count = Counter(tuple(linear.weight.shape) for linear in self.timed)
+        self._weights = {shape: every[shape] / count for shape, count in timed_count.items()}
         self.backends = available_backends(device)
         self.buckets = tuple(buckets)
         self.regime = ThreadRegime()
@@ -245,11 +259,7 @@ class MatmulPlan:
         """Seconds (min over ``reps``, after a warm-up run if ``warm``) for the products of ``linears``
         (default: every one of a forward) over ``rows`` rows."""
         linears = linears or self.linears
-        inputs = {}
-        for linear in linears:
-            width = linear.weight.shape[1]
-            if width not in inputs:
-                inputs[width] = torch.randn(rows, width, dtype=linear.weight.dtype, device=linear.weight.device)
+        inputs = _random_inputs(rows, linears)
         best = float("inf")
         with self.regime(backend):
             for rep in range(reps + int(warm)):
@@ -267,11 +277,7 @@ class MatmulPlan:
         """Seconds for a whole forward's products over ``rows`` rows, from one pass over the timed
         subset (in forward order, so caches see what a forward shows them): each product's time
         counts for every weight of its shape (the head once, a layer's projection once per layer)."""
-        inputs = {}
-        for linear in self.timed:
-            width = linear.weight.shape[1]
-            if width not in inputs:
-                inputs[width] = torch.randn(rows, width, dtype=linear.weight.dtype, device=linear.weight.device)
+        inputs = _random_inputs(rows, self.timed)
         total = 0.0
         with self.regime(backend):
             for linear in self.timed:
@@ -286,9 +292,6 @@ class MatmulPlan:
         """Per bucket and backend, ms for a whole forward's products (``time_weighted``), min over
         ``reps`` sweeps after an uncounted warm-up one; each sweep times every cell once (a burst of
         load hits all alike), backend after backend."""
-        every, timed = Counter(tuple(lin.weight.shape) for lin in self.linears), Counter(
-            tuple(lin.weight.shape) for lin in self.timed)
-        self._weights = {shape: every[shape] / count for shape, count in timed.items()}
         table: dict[int, dict[str, float]] = {bucket: {} for bucket in self.buckets}
         began = time.perf_counter()
         sweep: dict[int, dict[str, float]] = {}
