@@ -66,12 +66,31 @@ def measure_forward_curve(lm, max_tokens: int, prefix: int = FORWARD_CURVE_PREFI
     return isotonic(best)
 
 
-def extend_curve(curve: Sequence[float], k: int) -> float:
-    """``curve[k]``, continued past its end along the slope of its last measured half (a forward
-    over more tokens than were timed)."""
+def extend_curve(curve: Sequence[float], k: float) -> float:
+    """``curve[k]`` (linearly interpolated for a fractional k), continued past its end along the slope
+    of its last measured half (a forward over more tokens than were timed)."""
     last = len(curve) - 1
+    if k <= 0:
+        return float(curve[0])
     if k <= last:
-        return float(curve[k])
+        lo = int(k)
+        if lo == k or lo == last:
+            return float(curve[lo])
+        return float(curve[lo]) + (float(curve[lo + 1]) - float(curve[lo])) * (k - lo)
     base = last // 2
     slope = (curve[last] - curve[base]) / (last - base) if last > base else 0.0
     return float(curve[last]) + max(0.0, slope) * (k - last)
+
+
+def weighted_line(xs: Sequence[float], ys: Sequence[float], ws: Sequence[float]) -> tuple[float, float] | None:
+    """Weighted least squares y = a + b x: (a, b), or None without two distinct x (or any weight)."""
+    sw = sum(ws)
+    if sw <= 0:
+        return None
+    mx = sum(w * x for x, w in zip(xs, ws)) / sw
+    my = sum(w * y for y, w in zip(ys, ws)) / sw
+    sxx = sum(w * (x - mx) ** 2 for x, w in zip(xs, ws))
+    if sxx <= 1e-12:
+        return None
+    b = sum(w * (x - mx) * (y - my) for x, y, w in zip(xs, ys, ws)) / sxx
+    return my - b * mx, b

@@ -79,6 +79,10 @@ class GenerationStats:
     verify_queue_wait_s: float = 0.0  # ... and the rounds' wait for them
     verify_service_s: float = 0.0  # of verify_s: time inside the verifier service (remote verifiers report it)
     verify_pass_s: float = 0.0  # ... of which in the batched passes that served the rounds
+    # Per number of drafts verified: [rounds, verify_s, steady rounds, their draft_s]. "Steady": the
+    # drafter had only the previous verdict's tokens to feed (not a catch-up after k = 0 rounds or at
+    # the start), so its draft_s is what drafting k tokens costs round after round.
+    round_costs: dict[int, list] = field(default_factory=dict)
 
     @property
     def acceptance_rate(self) -> float:
@@ -126,6 +130,15 @@ class GenerationStats:
             if i < accepted:
                 self.per_position_accepted[i] += 1
 
+    def record_cost(self, drafted: int, verify_s: float, draft_s: float, steady: bool) -> None:
+        """Add one round's times to ``round_costs[drafted]``."""
+        cost = self.round_costs.setdefault(drafted, [0, 0.0, 0, 0.0])
+        cost[0] += 1
+        cost[1] += verify_s
+        if steady:
+            cost[2] += 1
+            cost[3] += draft_s
+
     def to_dict(self) -> dict:
         return {
             "draft_method": self.draft_method,
@@ -149,6 +162,8 @@ class GenerationStats:
             "verify_queue_wait_s": self.verify_queue_wait_s,
             "verify_service_s": self.verify_service_s,
             "verify_pass_s": self.verify_pass_s,
+            "round_costs": [{"num_drafts": k, "rounds": c[0], "verify_s": c[1], "steady_rounds": c[2],
+                             "steady_draft_s": c[3]} for k, c in sorted(self.round_costs.items())],
         }
 
 
@@ -283,6 +298,8 @@ async def generate(
                         stats.ahead_hits += 1
                         await drafter.continue_ahead(pending, len(proposal), k)
                         pending = []
+            # Steady: the drafter feeds only the last verdict's tokens (its first call also prefills the prompt).
+            steady = stats.rounds > 0 and len(pending) <= len(verdict.tokens)
             if k > 0 and len(proposal) == 0:
                 if draft_ahead:
                     proposal = await drafter.propose(pending, k, ahead_tokens=k)
@@ -300,12 +317,14 @@ async def generate(
             stats.draft_s += t1 - t0
             stats.verify_s += t2 - t1
             stats.record_round(drafted, verdict, len(chunk.token_ids))
+            stats.record_cost(drafted, t2 - t1, t1 - t0, steady)
             if on_round is not None:
                 emitted = len(chunk.token_ids)
                 on_round(RoundRecord(stats.rounds, k, drafted, min(verdict.num_accepted, emitted), emitted,
                                      t1 - t0, t2 - t1, t0))
+            batch = verdict.batch
             policy.observe(RoundObservation(drafted, verdict.num_accepted, t1 - t0, t2 - t1,
-                                            verdict.batch.size if verdict.batch is not None else 0))
+                                            batch.size if batch is not None else 0, batch.tokens if batch is not None else 0))
             outcome = shadow.outcome(committed) if shadow is not None else None
             if outcome is not None:
                 policy.observe_shadow(*outcome, draft_s=shadow.draft_s)

@@ -10,7 +10,11 @@ token:
 and, with a per-token draft cost t_draft and the verify-cost curve t_verify(k), the best speedup
 over plain decoding (one target step per token) is
 
-    bound = max_k E[tokens](k) * t_verify(0) / (k * t_draft + t_verify(k)).
+    bound = max_k E[tokens](k) * t_verify(0) / (k * t_draft + t_verify(k)),
+
+or, with each round's whole measured cost t_round(k) (drafting, verifying, the hops between), a
+plain round's t_plain and the time before the first token spread over the decoded tokens P (the
+same prefill for both), max_k (P + t_plain) / (P + t_round(k) / E[tokens](k)).
 
 The benchmark's bound, the adaptive policy's expected rates and the simulator all use these
 functions; nothing else spells the formulas out.
@@ -54,22 +58,43 @@ def expected_tokens(k: int, alpha: float) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def speedup_bound_from_rounds(round_s: Sequence[float], plain_round_s: float, alpha: float | None = None,
+                              alphas: Sequence[float] | None = None,
+                              tokens_per_round: Sequence[float] | None = None,
+                              prefill_per_token_s: float = 0.0) -> dict:
+    """max over k of (P + plain_round_s) / (P + round_s[k] / E[tokens](k)).
+
+    ``round_s[k]``: what a round that drafts and verifies k tokens costs, everything included;
+    ``plain_round_s``: a plain-decoding round (one token); P = ``prefill_per_token_s``: the time before
+    the first token spread over the decoded tokens, the same for both (0: decoding alone, where the
+    ratio is E[tokens](k) * plain_round_s / round_s[k]). E[tokens](k): ``tokens_per_round[k]`` where
+    given (measured, e.g. a fixed-k run replayed), else positional in ``alphas`` (conditional acceptance
+    per position, tail: ``alpha``), else geometric in ``alpha``. Returns ``best_k``, ``bound`` and the
+    whole ``curve``."""
+    if not round_s or plain_round_s <= 0:
+        raise ValueError("need round costs and a positive plain round")
+    if tokens_per_round is None and alpha is None and not alphas:
+        raise ValueError("need tokens_per_round, alpha or alphas")
+    tail = alpha if alpha is not None else (alphas[-1] if alphas else None)
+    curve = []
+    for k, cost in enumerate(round_s[: len(tokens_per_round)] if tokens_per_round is not None else round_s):
+        if tokens_per_round is not None:
+            e = tokens_per_round[k]
+        else:
+            e = expected_tokens_positional(k, alphas, tail) if alphas else expected_tokens(k, tail)
+        p = prefill_per_token_s
+        curve.append({"k": k, "expected_tokens": e, "speedup": (p + plain_round_s) / (p + cost / e)})
+    best = max(curve, key=lambda c: c["speedup"])
+    return {"best_k": best["k"], "bound": best["speedup"], "curve": curve}
+
+
 def speedup_bound(t_verify: Sequence[float], t_draft: float, alpha: float | None = None,
                   alphas: Sequence[float] | None = None) -> dict:
     """max over k of E[tokens](k) * t_verify(0) / (k * t_draft + t_verify(k)).
 
-    ``t_verify[k]`` is the verification cost with k drafts (the forward over k + 1 tokens). With
-    ``alphas`` (conditional acceptance per position) E[tokens] is positional (tail: ``alpha``),
-    otherwise geometric in ``alpha``. Returns ``best_k``, ``bound`` and the whole ``curve``.
-    """
+    ``t_verify[k]`` is the verification cost with k drafts (the forward over k + 1 tokens); the
+    rest as ``speedup_bound_from_rounds``."""
     if not t_verify or t_verify[0] <= 0:
         raise ValueError("t_verify needs a positive t_verify(0)")
-    if alpha is None and not alphas:
-        raise ValueError("need alpha or alphas")
-    tail = alpha if alpha is not None else alphas[-1]
-    curve = []
-    for k, tv in enumerate(t_verify):
-        e = expected_tokens_positional(k, alphas, tail) if alphas else expected_tokens(k, tail)
-        curve.append({"k": k, "expected_tokens": e, "speedup": e * t_verify[0] / (k * t_draft + tv)})
-    best = max(curve, key=lambda c: c["speedup"])
-    return {"best_k": best["k"], "bound": best["speedup"], "curve": curve}
+    return speedup_bound_from_rounds([k * t_draft + tv for k, tv in enumerate(t_verify)], t_verify[0],
+                                     alpha=alpha, alphas=alphas)

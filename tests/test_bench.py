@@ -11,7 +11,7 @@ import pytest
 
 from specdec import speedup
 from specdec.bench import bound as bench_bound
-from specdec.bench import load, metrics, plots, prompts, report, runners
+from specdec.bench import load, metrics, plots, prompts, report, runners, teacher_forced
 from specdec.cli import main as cli_main
 from specdec.costs import isotonic
 
@@ -142,13 +142,177 @@ def test_monotone_verify_curve():
     assert isotonic([1.0, 2.0]) == [1.0, 2.0]
 
 
-def test_fit_verify_cost_recovers_linear_model():
-    a, b = 0.01, 0.002
-    samples = [(r, d, a * r + b * d) for r, d in [(10, 0), (8, 24), (12, 12), (5, 40)]]
-    fit = bench_bound.fit_verify_cost(samples)
-    assert fit == pytest.approx((a, b))
-    assert bench_bound.fit_verify_cost([(10, 0, 0.1)]) is None  # one request: underdetermined
-    assert bench_bound.fit_verify_cost([(10, 0, 0.1), (20, 0, 0.2)]) is None  # no drafts: rank 1
+def _costs(**per_k):
+    """round_costs pooled per k from (rounds, verify ms, steady rounds, draft ms) tuples."""
+    return {int(k[1:]): {"rounds": r, "verify_s": r * v / 1e3, "steady_rounds": sr, "steady_draft_s": sr * d / 1e3}
+            for k, (r, v, sr, d) in per_k.items()}
+
+
+def test_round_cost_curve_keeps_measured_ks_and_models_the_rest_on_the_forward_curve():
+    forward = [0.018, 0.025, 0.0255, 0.026] + [0.026 + 0.001 * i for i in range(1, 13)]
+    costs = _costs(k0=(100, 20.0, 100, 0.0), k1=(50, 27.0, 40, 4.0), k2=(30, 28.0, 30, 5.5), k5=(5, 90.0, 5, 50.0))
+    out = bench_bound.round_cost_curve(costs, 0.001, forward, None, 15)
+    ms = [v * 1e3 for v in out["verify_s"]]
+    assert ms[:3] == pytest.approx([20.0, 27.0, 28.0])  # measured often enough: their own means
+    beyond = (100 * 2.0 + 50 * 2.0 + 30 * 2.5) / 180  # the measured rounds' mean cost beyond their forward
+    assert ms[3] == pytest.approx(26.0 + beyond)
+    assert ms[5] == pytest.approx(28.0 + beyond)  # 5 rounds are too few: k = 5 is modelled, its 90 ms ignored
+    draft = [d * 1e3 for d in out["draft_s"]]
+    assert draft[:3] == pytest.approx([0.0, 4.0, 5.5])
+    assert draft[4] == pytest.approx(2.5 + 1.5 * 4)  # the line through the steady means: 2.5 ms + 1.5 ms per token
+    assert out["round_s"][2] == pytest.approx((28.0 + 5.5 + 1.0) / 1e3)
+    assert out["measured_rounds"] == {0: 100, 1: 50, 2: 30, 5: 5}
+    assert all(a <= b for a, b in zip(out["round_s"], out["round_s"][1:]))
+
+
+def test_round_cost_curve_sees_the_step_a_line_would_miss():
+    # Measured only at k = 0 and k = 4 on a CPU whose forward steps up from one token to two: k = 1 costs
+    # what k = 4 nearly does, which the line through the two points (the old fit) put halfway.
+    forward = [0.100, 0.158, 0.158, 0.159, 0.160] + [0.160 + 0.002 * i for i in range(1, 12)]
+    costs = _costs(k0=(200, 102.0, 200, 0.0), k4=(100, 162.0, 100, 20.0))
+    out = bench_bound.round_cost_curve(costs, 0.0, forward, 0.004, 15)
+    assert out["verify_s"][1] * 1e3 == pytest.approx(158.0 + 2.0)
+    line_at_1 = 102.0 + (162.0 - 102.0) / 4
+    assert out["verify_s"][1] * 1e3 > line_at_1 + 40
+    # One steadily drafted k: the draft's own step per token (4 ms), the rest of its 20 ms as call overhead.
+    assert [d * 1e3 for d in out["draft_s"][:5]] == pytest.approx([0.0, 8.0, 12.0, 16.0, 20.0])
+    assert bench_bound.round_cost_curve(_costs(k0=(10, 20.0, 10, 0.0)), 0.0, forward, None, 15) is None
+
+
+def test_bound_from_round_costs_uses_the_plain_round():
+    result = speedup.speedup_bound_from_rounds([1.0, 1.2, 1.3], 1.0, alpha=0.5)
+    assert [c["speedup"] for c in result["curve"]] == pytest.approx([1.0, 1.5 / 1.2, 1.75 / 1.3])
+    assert result["best_k"] == 2
+    # The same prefill before the first token for both dilutes every ratio towards 1.
+    diluted = speedup.speedup_bound_from_rounds([1.0, 1.2, 1.3], 1.0, alpha=0.5, prefill_per_token_s=0.5)
+    assert diluted["curve"][2]["speedup"] == pytest.approx(1.5 / (0.5 + 1.3 / 1.75))
+    assert 1.0 < diluted["bound"] < result["bound"]
+    # speedup_bound is the special case t_round(k) = t_verify(k) + k * t_draft, t_plain = t_verify(0)
+    special = speedup.speedup_bound([1.0, 1.1, 1.2], 0.05, alpha=0.6)["curve"]
+    general = speedup.speedup_bound_from_rounds([1.0, 1.15, 1.3], 1.0, alpha=0.6)["curve"]
+    assert [c["speedup"] for c in special] == pytest.approx([c["speedup"] for c in general])
+
+
+class _Models:
+    """The bench's model cache as compute_bound uses it: the target's forward curve, no local draft."""
+
+    def __init__(self, curve):
+        self.curve = curve
+
+    def forward_curve(self):
+        return self.curve
+
+    def draft(self):
+        return None
+
+    def target(self):
+        raise RuntimeError("no local target in this test")
+
+
+def _record(system: str, tokens: int, ttft: float, costs: dict) -> metrics.RequestRecord:
+    """A request whose stats hold ``costs`` ({k: (rounds, verify s, steady rounds, draft s)}), with 1 ms
+    of the loop's own time per round."""
+    rounds = sum(c[0] for c in costs.values())
+    verify, draft = sum(c[1] for c in costs.values()), sum(c[3] for c in costs.values())
+    stats = {"rounds": rounds, "ttft_s": ttft, "verify_s": verify, "draft_s": draft,
+             "total_s": ttft + verify + draft + 0.001 * rounds, "draft_method": "model",
+             "round_costs": [{"num_drafts": k, "rounds": r, "verify_s": v, "steady_rounds": sr, "steady_draft_s": d}
+                             for k, (r, v, sr, d) in costs.items()]}
+    return metrics.RequestRecord(system=system, conversation_id="1", category="c", source="s", turn=1, start_s=0.0,
+                                 output_tokens=tokens, stats=stats)
+
+
+def test_compute_bound_borrows_draft_costs_and_counts_prefill():
+    """An adaptive replay system that never drafted (α 0.5 on a steep curve) is bounded with the
+    drafter's cost timed in the run's fixed-k system of the same drafter, not with free drafts; the
+    baseline's time to first token enters both sides."""
+    import argparse
+
+    curve = [0.100] + [0.150] * 15  # one token 100 ms, 2..16 tokens 150 ms
+    summaries = {
+        "spec@a=0.5": {"acceptance_rate": 0.0, "method": "model", "replay_acceptance": 0.5, "tokens_per_s": 9.0,
+                       "per_position_drafted": [], "per_position_acceptance": [], "shadow_probes": 40,
+                       "shadow_accepted": 20},
+        "spec-k=4@a=0.5": {"acceptance_rate": 0.5, "method": "model", "replay_acceptance": 0.5, "tokens_per_s": 8.0},
+        "baseline": {"tokens_per_s": 9.0},
+    }
+    records = {
+        "spec@a=0.5": [_record("spec@a=0.5", 101, 0.5, {0: (100, 10.2, 100, 0.0)})],
+        "spec-k=4@a=0.5": [_record("spec-k=4@a=0.5", 101, 0.5, {4: (52, 52 * 0.152, 50, 50 * 0.042)})],
+        "baseline": [_record("baseline", 101, 0.5, {0: (100, 10.2, 100, 0.0)})],
+    }
+    args = argparse.Namespace(local=False, draft_model=None, temperature=0.0)
+    out = bench_bound.compute_bound(args, summaries, records, _Models(curve), reference="spec@a=0.5",
+                                    with_roofline=False)
+    assert out["draft_costs_from"]
+    draft_ms = [d * 1e3 for d in out["t_draft_s"]]
+    assert draft_ms[4] == pytest.approx(42.0)  # the fixed-k system's steady k = 4 rounds
+    assert draft_ms[1] > 0  # not free
+    assert out["t_plain_s"] == pytest.approx(0.103)  # the baseline's decode time per round
+    assert out["prefill_per_token_s"] == pytest.approx(0.5 / 100)
+    # k = 1: verify 150 ms + 2 ms beyond the forward, its draft, 1 ms of the loop: 1.5 tokens per round
+    k1 = out["curve"][1]
+    assert k1["speedup"] == pytest.approx((0.005 + 0.103) / (0.005 + out["t_round_s"][1] / 1.5))
+    assert out["bound"] == pytest.approx(max(c["speedup"] for c in out["curve"]))
+    assert out["bound"] < out["bound_decoding"] or out["best_k"] == 0
+    assert out["measured"] == pytest.approx(1.0) and out["measured_over_bound"] == pytest.approx(1.0 / out["bound"])
+
+
+def test_prefix_acceptance_over_every_start_position():
+    rates, starts = teacher_forced.prefix_acceptance([[True, True, False, True]], 3)
+    # starts 0..3 accept runs of 2, 1, 0, 1; depth j needs j tokens after the start
+    assert rates == pytest.approx([3 / 4, 1 / 3, 0.0]) and starts == [4, 3, 2]
+    rates, starts = teacher_forced.prefix_acceptance([[True] * 5, [False] * 5], 2)
+    assert rates == pytest.approx([0.5, 0.5]) and starts == [10, 8]
+
+
+def test_match_bits_are_what_the_drafter_would_propose(tiny_draft):
+    from specdec.drafters import ModelDraftSession
+    from specdec.sampling import SamplingParams
+
+    prompt = [5, 17, 3, 42, 8]
+    session = ModelDraftSession(tiny_draft, prompt, SamplingParams())
+    session.prefill()
+    output = [9] + session.propose(10).draft_tokens  # the draft's own continuation: all bits true ...
+    output[4] = (output[4] + 1) % tiny_draft.vocab_size  # ... except where a token is changed
+    session.close()
+    bits = teacher_forced.match_bits(tiny_draft, prompt, output)
+    assert len(bits) == len(output) - 1 and not all(bits) and any(bits)
+    for t in range(1, len(output)):
+        step = ModelDraftSession(tiny_draft, prompt + output[:t], SamplingParams())
+        step.prefill()
+        assert bits[t - 1] == (step.propose(1).draft_tokens[0] == output[t]), t
+        step.close()
+
+
+def test_fixed_k_rounds_replays_where_each_round_ends():
+    bits = [True, True, False, True, True, True, False, False]
+    assert teacher_forced.fixed_k_rounds(bits, 2) == (4, 8)  # accepts 2 | 2 | 0 | 0 drafts, +1 token each
+    assert teacher_forced.fixed_k_rounds(bits, 8) == (3, 8)  # 2 | 3 | 0
+    assert teacher_forced.fixed_k_rounds(bits, 0) == (8, 8)  # plain decoding: a round per token
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_teacher_forcing_replays_a_fixed_k_run_exactly(tiny_target, tiny_noisy_draft, k):
+    """The replay's round count equals the real loop's, request by request (greedy: a draft token is
+    accepted iff it is the target's token, and the drafter's context is the committed text)."""
+    from specdec.drafters import ModelDrafter
+    from specdec.engine import collect, run_sync
+    from specdec.local import LocalEngine
+    from specdec.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    outputs = []
+    for prompt in ([5, 9, 14, 3, 22], [11, 4, 8, 30, 2, 2, 9], [7] * 6):
+        result = run_sync(collect(LocalEngine(tiny_target, ModelDrafter(tiny_noisy_draft)).stream(
+            prompt, params, num_draft_tokens=k)))
+        bits = teacher_forced.match_bits(tiny_noisy_draft, prompt, result.token_ids)
+        assert teacher_forced.fixed_k_rounds(bits, k)[0] == result.stats.rounds
+        assert 0 < sum(bits) < len(bits)  # the case is not trivial: some drafts accepted, some not
+        outputs.append((prompt, result.token_ids))
+    forced = teacher_forced.teacher_forced_acceptance(tiny_noisy_draft, outputs, 8)
+    assert forced["tokens_per_round"][0] == 1.0 and forced["tokens"] == 3 * 39
+    assert all(a <= b for a, b in zip(forced["tokens_per_round"], forced["tokens_per_round"][1:]))
 
 
 # -- prompts, systems, scheduling -----------------------------------------------------------------

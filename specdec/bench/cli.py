@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from specdec.bench import plots
-from specdec.bench.bound import compute_bound, machine_info
+from specdec.bench.bound import VERIFY_CURVE_TOKENS, compute_bound, machine_info
 from specdec.bench.load import effective_rounds, parse_concurrency, run_system
 from specdec.bench.metrics import (
     RequestRecord,
@@ -27,6 +27,7 @@ from specdec.bench.metrics import (
     summarize_records,
 )
 from specdec.bench.prompts import Conversation, load_prompts
+from specdec.costs import measure_forward_curve
 from specdec.synthetic import is_synthetic, parse_synthetic
 from specdec.bench.report import fmt, format_round_ratios, render_report, render_sweep
 from specdec.bench.sweep import ReplayControl, replay_requested, replay_systems, sweep_results, validate_replay_args
@@ -141,6 +142,7 @@ class ModelCache:
         self.args = args
         self._target = None
         self._draft = None
+        self._forward_curve: list[float] | None = None
 
     def target(self):
         if self._target is None:
@@ -156,6 +158,12 @@ class ModelCache:
             self._draft = load_model(self.args.draft_model, device=self.args.device)
             check_compatible(self.target(), self._draft)
         return self._draft
+
+    def forward_curve(self) -> list[float]:
+        """The target's forward over 1..VERIFY_CURVE_TOKENS tokens in this process, measured once."""
+        if self._forward_curve is None:
+            self._forward_curve = measure_forward_curve(self.target(), VERIFY_CURVE_TOKENS)
+        return self._forward_curve
 
     def drafter(self):
         from specdec.drafters import ModelDrafter, NgramDrafter
@@ -282,6 +290,8 @@ def run_bench(args) -> dict:
             if spec.kind != "hf":
                 summary["num_draft_tokens"] = spec.num_draft_tokens
                 summary["method"] = spec.method
+                if spec.replay_acceptance is not None:
+                    summary["replay_acceptance"] = spec.replay_acceptance
             summary["per_category"] = summarize_by_category(records)
             summary["round_tokens_per_s"] = round_rates[spec.name]
             summaries[spec.name] = summary

@@ -98,29 +98,42 @@ def render_report(summary: dict) -> str:
     if bound.get("bound") is not None:
         alphas = ", ".join(f"{a:.2f}" for a in bound.get("alphas_by_position", [])) or "–"
         lines += [
-            f"- acceptance from **{bound['acceptance_from']}**: per-token α = {fmt(bound['alpha'], digits=3)} "
-            f"(acceptance rate {fmt(bound['acceptance_rate'], digits=3)}); conditional α by position: {alphas}",
-            f"- t_draft per token = {fmt(bound['t_draft_s'], 1e3, 2)} ms ({bound['t_draft_source']})",
-            f"- t_verify(k): {bound['t_verify_source']}",
-            f"- bound = max_k E[tokens](k)·t_verify(0)/(k·t_draft + t_verify(k)) = **{fmt(bound['bound'], digits=3)}×** "
-            f"at k = {bound['best_k']} (geometric in the acceptance rate: {fmt(bound['bound_geometric_acceptance_rate'], digits=3)}× "
-            f"at k = {bound['best_k_geometric_acceptance_rate']})",
+            f"- acceptance from **{bound['acceptance_from']}** ({bound['acceptance_source']}): first position "
+            f"{fmt(bound['alpha'], digits=3)}, conditional α by position: {alphas} (the system's acceptance rate: "
+            f"{fmt(bound['acceptance_rate'], digits=3)})",
+            f"- a round's cost t_round(k): {bound['costs_source']}; the plain round t_plain = "
+            f"{fmt(bound['t_plain_s'], 1e3, 2)} ms ({bound['plain_round_source']})",
+            f"- bound = max_k (P + t_plain)/(P + t_round(k)/E[tokens](k)) = **{fmt(bound['bound'], digits=3)}×** at "
+            f"k = {bound['best_k']}, with P = {fmt(bound['prefill_per_token_s'], 1e3, 2)} ms the baseline's time to first "
+            f"token per decoded token (decoding alone, P = 0: {fmt(bound['bound_decoding'], digits=3)}× at "
+            f"k = {bound['best_k_decoding']})",
         ]
+        if bound.get("draft_costs_from"):
+            lines.append(f"- draft costs: {bound['draft_costs_from']}")
+        if bound.get("bound_own_rounds_acceptance") is not None:
+            own = ", ".join(f"{a:.2f}" for a in bound.get("own_rounds_alphas_by_position") or []) or "–"
+            lines.append(f"- with the acceptance of the system's own verified rounds instead ({own}): "
+                         f"{fmt(bound['bound_own_rounds_acceptance'], digits=3)}× (an adaptive policy drafts deep "
+                         "where acceptance is high, so its rounds overstate the deep positions)")
         roof = bound.get("roofline") or {}
         if roof.get("memory_bound_step_s"):
             lines.append(f"- target step vs memory bandwidth: {roof['weight_bytes'] / 1e6:.0f} MB of weights ÷ "
                          f"{roof['bandwidth_gb_s']:.1f} GB/s measured = {fmt(roof['memory_bound_step_s'], 1e3, 1)} ms; "
-                         f"t_verify(0) = {fmt(roof['measured_step_s'], 1e3, 1)} ms "
+                         f"the one-token forward = {fmt(roof['measured_step_s'], 1e3, 1)} ms "
                          f"(**{fmt(roof['step_over_memory_bound'], digits=2)}×** the bound)")
         if bound.get("measured") is not None:
             pair = bound["measured_pair"]
             lines.append(f"- measured = {pair[0]} tok/s ÷ {pair[1]} tok/s = {fmt(bound['measured'], digits=3)}×; "
                          f"measured / bound = **{fmt(bound['measured_over_bound'], digits=3)}**")
-        lines += ["", "| k | t_verify(k) (ms) | E[tokens](k) | speedup(k) |", "|---:|---:|---:|---:|"]
+        forward = bound.get("target_forward_s") or []
+        measured = bound.get("measured_rounds") or {}
+        lines += ["", "| k | rounds measured | verify (ms) | draft (ms) | t_round(k) (ms) | target forward, k + 1 tokens (ms) "
+                  "| E[tokens](k) | speedup(k) |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for point in bound["curve"]:
             k = point["k"]
-            lines.append(f"| {k} | {fmt(bound['t_verify_s'][k], 1e3, 2)} | {fmt(point['expected_tokens'], digits=3)} "
-                         f"| {fmt(point['speedup'], digits=3)} |")
+            lines.append(f"| {k} | {measured.get(k, 0)} | {fmt(bound['t_verify_s'][k], 1e3, 2)} | {fmt(bound['t_draft_s'][k], 1e3, 2)} "
+                         f"| {fmt(bound['t_round_s'][k], 1e3, 2)} | {fmt(forward[k] if k < len(forward) else None, 1e3, 2)} "
+                         f"| {fmt(point['expected_tokens'], digits=3)} | {fmt(point['speedup'], digits=3)} |")
     lines.append("")
     if bound.get("note"):
         lines += [f"Note: {bound['note']}", ""]
@@ -179,14 +192,16 @@ def render_acceptance_sweep(sweep: dict) -> list[str]:
                      f"| {fmt(p['bound_at_k'], digits=3)} "
                      f"| **{fmt(p['measured_over_bound'], digits=3)}** "
                      f"| {p['outputs']['identical']} / {p['outputs']['compared']} |")
-    lines += ["", f"t_verify(k) for the bounds: {sweep.get('t_verify_source') or '–'}."]
-    fitted, forward = sweep.get("t_verify_s") or [], sweep.get("target_forward_curve_s") or []
-    if fitted or forward:
-        lines += ["", "| k | t_verify(k) used (ms) | target forward over k + 1 tokens, in process (ms) |",
-                  "|---:|---:|---:|"]
-        for k in range(max(len(fitted), len(forward))):
-            lines.append(f"| {k} | {fmt(fitted[k] if k < len(fitted) else None, 1e3, 2)} "
-                         f"| {fmt(forward[k] if k < len(forward) else None, 1e3, 2)} |")
+    costed = [p for p in sweep["points"] if p.get("t_round_s")]
+    forward = sweep.get("target_forward_curve_s") or []
+    if costed:
+        lines += ["", f"A round's cost t_round(k) for each system's bound: {costed[0]['costs_source']}.", "",
+                  "| k | target forward over k + 1 tokens, in process (ms) | "
+                  + " | ".join(f"t_round {p['system']} (ms)" for p in costed) + " |",
+                  "|---:|---:|" + "---:|" * len(costed)]
+        for k in range(max(len(forward), max(len(p["t_round_s"]) for p in costed))):
+            cells = [fmt(p["t_round_s"][k] if k < len(p["t_round_s"]) else None, 1e3, 2) for p in costed]
+            lines.append(f"| {k} | {fmt(forward[k] if k < len(forward) else None, 1e3, 2)} | " + " | ".join(cells) + " |")
     if sweep.get("target_forward_curve_note"):
         lines.append(f"\nNo in-process forward curve: {sweep['target_forward_curve_note']}")
     return lines + [""]

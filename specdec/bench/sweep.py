@@ -10,10 +10,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from specdec.bench.bound import VERIFY_CURVE_TOKENS, compute_bound
+from specdec.bench.bound import compute_bound
 from specdec.bench.metrics import RequestRecord, paired_round_ratios
 from specdec.bench.runners import SystemSpec, describe_error
-from specdec.costs import measure_forward_curve
 from specdec.replay import REPLAY_WIRE_METHOD, ReplayScript, ReplaySettings, prompt_key, write_replay_file
 
 log = logging.getLogger(__name__)
@@ -161,13 +160,12 @@ def sweep_results(args, systems: list[SystemSpec], summaries: dict, all_records:
                   control: ReplayControl) -> dict:
     """Per replay system: tokens/s, speedup over baseline, the measured acceptance, the bound from it
     and the verify-cost curve, measured / bound, and whether its outputs equal plain decoding's."""
-    points, fitted = [], {}
+    points = []
     for spec in systems:
         if spec.replay_acceptance is None or spec.name not in summaries:
             continue
         s = summaries[spec.name]
         bound = compute_bound(args, summaries, all_records, models, reference=spec.name, with_roofline=False)
-        fitted = fitted or bound  # the verify-cost curve: one for every system (fitted to all gateway rounds)
         by_round = paired_round_ratios(summaries, spec.name)
         points.append({
             "system": spec.name, "alpha_set": spec.replay_acceptance,
@@ -180,15 +178,15 @@ def sweep_results(args, systems: list[SystemSpec], summaries: dict, all_records:
             "bound_at_k": (bound["curve"][spec.num_draft_tokens]["speedup"]
                            if spec.num_draft_tokens and bound.get("curve") and spec.num_draft_tokens < len(bound["curve"])
                            else None),
-            "t_draft_s": bound.get("t_draft_s"), "speedup_by_round": by_round,
+            "t_round_s": bound.get("t_round_s"), "costs_source": bound.get("costs_source"),
+            "speedup_by_round": by_round,
             "outputs": identical_outputs(all_records.get(spec.name, []), control.recording),
             "note": bound.get("note"),
         })
     out = {"points": points, "baseline_tokens_per_s": (summaries.get("baseline") or {}).get("tokens_per_s"),
            "replay": control.config()}
-    out["t_verify_s"], out["t_verify_source"] = fitted.get("t_verify_s"), fitted.get("t_verify_source")
     try:  # the target's own forward over 1..16 tokens, without gRPC (after the stack stopped)
-        out["target_forward_curve_s"] = measure_forward_curve(models.target(), VERIFY_CURVE_TOKENS)
+        out["target_forward_curve_s"] = models.forward_curve()
     except Exception as exc:  # noqa: BLE001 - no local target: the fitted curve stands alone
         out["target_forward_curve_s"] = None
         out["target_forward_curve_note"] = describe_error(exc)

@@ -18,6 +18,7 @@ class RoundObservation:
     draft_s: float
     verify_s: float
     batch_size: int = 0  # sessions in the verifier's batched pass for this round (0: not reported)
+    batch_tokens: int = 0  # tokens that pass fed, every session's (0: not reported)
 
 
 class DraftLengthPolicy(ABC):

@@ -120,11 +120,14 @@ def stats_to_pb(stats: GenerationStats) -> gateway_pb2.GenerationStats:
 
 
 def stats_from_pb(pb: gateway_pb2.GenerationStats) -> dict:
-    """The same dict the CLI's ``--json`` prints under ``stats``."""
+    """The same dict the CLI's ``--json`` prints under ``stats`` (``GenerationStats.to_dict()``)."""
     out = {}
     for name, field in gateway_pb2.GenerationStats.DESCRIPTOR.fields_by_name.items():
         value = getattr(pb, name)
-        out[name] = list(value) if field.is_repeated else value
+        if field.message_type is not None:  # repeated messages (round_costs): dicts, as to_dict has them
+            out[name] = [{f.name: getattr(item, f.name) for f in field.message_type.fields} for item in value]
+        else:
+            out[name] = list(value) if field.is_repeated else value
     return out
 
 

@@ -69,7 +69,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("draft_method", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "per_position_acceptance", "ttft_s", "tokens_per_s", "k_history", "total_s", "draft_s", "verify_s", "ahead_blocks", "ahead_hits", "mean_batch_size", "verify_queue_wait_s", "shadow_probes", "shadow_accepted", "verify_service_s", "verify_pass_s")
+    __slots__ = ("draft_method", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "per_position_acceptance", "ttft_s", "tokens_per_s", "k_history", "total_s", "draft_s", "verify_s", "ahead_blocks", "ahead_hits", "mean_batch_size", "verify_queue_wait_s", "shadow_probes", "shadow_accepted", "verify_service_s", "verify_pass_s", "round_costs")
     DRAFT_METHOD_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class GenerationStats(_message.Message):
     SHADOW_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     VERIFY_SERVICE_S_FIELD_NUMBER: _ClassVar[int]
     VERIFY_PASS_S_FIELD_NUMBER: _ClassVar[int]
+    ROUND_COSTS_FIELD_NUMBER: _ClassVar[int]
     draft_method: str
     rounds: int
     draft_tokens: int
@@ -112,7 +113,22 @@ class GenerationStats(_message.Message):
     shadow_accepted: int
     verify_service_s: float
     verify_pass_s: float
-    def __init__(self, draft_method: _Optional[str] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., per_position_acceptance: _Optional[_Iterable[float]] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., k_history: _Optional[_Iterable[int]] = ..., total_s: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., ahead_blocks: _Optional[int] = ..., ahead_hits: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., verify_queue_wait_s: _Optional[float] = ..., shadow_probes: _Optional[int] = ..., shadow_accepted: _Optional[int] = ..., verify_service_s: _Optional[float] = ..., verify_pass_s: _Optional[float] = ...) -> None: ...
+    round_costs: _containers.RepeatedCompositeFieldContainer[RoundCost]
+    def __init__(self, draft_method: _Optional[str] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., per_position_acceptance: _Optional[_Iterable[float]] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., k_history: _Optional[_Iterable[int]] = ..., total_s: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., ahead_blocks: _Optional[int] = ..., ahead_hits: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., verify_queue_wait_s: _Optional[float] = ..., shadow_probes: _Optional[int] = ..., shadow_accepted: _Optional[int] = ..., verify_service_s: _Optional[float] = ..., verify_pass_s: _Optional[float] = ..., round_costs: _Optional[_Iterable[_Union[RoundCost, _Mapping]]] = ...) -> None: ...
+
+class RoundCost(_message.Message):
+    __slots__ = ("num_drafts", "rounds", "verify_s", "steady_rounds", "steady_draft_s")
+    NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_S_FIELD_NUMBER: _ClassVar[int]
+    STEADY_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    STEADY_DRAFT_S_FIELD_NUMBER: _ClassVar[int]
+    num_drafts: int
+    rounds: int
+    verify_s: float
+    steady_rounds: int
+    steady_draft_s: float
+    def __init__(self, num_drafts: _Optional[int] = ..., rounds: _Optional[int] = ..., verify_s: _Optional[float] = ..., steady_rounds: _Optional[int] = ..., steady_draft_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "usage", "stats", "request_id", "prompt_token_ids")
