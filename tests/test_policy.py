@@ -20,6 +20,9 @@ from specdec.policy import (
 )
 
 STEP = 0.025  # one target step, seconds
+# A CPU forward over 1, 2, ... tokens: a step from one token to two, flat, then compute-bound growth of
+# a step's worth per token past 13 tokens.
+CPU_FORWARD = [0.056] + [0.087] * 12 + [0.087 + 0.031 * i for i in range(1, 8)]
 
 
 def costs(k: int, c: float = 0.1, beta: float = 0.05, rtt: float = 0.05) -> tuple[float, float]:
@@ -439,6 +442,67 @@ def test_forward_curve_gives_the_verify_curve_its_shape():
     assert curve[6] > curve[4]
 
 
+def test_sessions_sharing_passes_draft_where_all_drafting_pays(monkeypatch):
+    """On a CPU-like curve (one token 100 ms, two 150 ms, then +2 ms per token), sessions among 8 that
+    each verify 5 tokens pay ~2 ms per draft token, not the one-to-two-token step. At α 0.7 they
+    draft. A session judging alone, reading the curve at its own k, charged the step to itself and,
+    as the others' delay, seven times more: k = 0. Reading it past the others' rows (the pass's
+    reported tokens minus its own) already fixes that here; the shared-pass model (as if all drafted
+    the same k) is what also holds when the others do not draft yet."""
+
+    def forward(tokens: float) -> float:
+        return 0.100 if tokens <= 1 else 0.150 + 0.002 * (tokens - 2)
+
+    curve = [forward(n) for n in range(1, 18)]
+    others = 7 * 5  # seven sessions verifying 4 drafts each
+
+    def run(**config) -> list[int]:
+        policy = AdaptiveDraftLength(forward_curve=curve, co_batched=7, **config)
+        accepted, ks = geometric(0.7, 3), []
+        for i in range(150):
+            k = policy.choose(16)
+            n = accepted(k, i) if k else 0
+            policy.observe(RoundObservation(k, n, 0.002 * k + (0.001 if k else 0.0), forward(others + k + 1),
+                                            batch_size=8, batch_tokens=others + k + 1))
+            ks.append(k)
+        return ks
+
+    shared = run()
+    assert sum(shared[-50:]) / 50 >= 3, shared[-50:]
+    alone_past_others = run(shared_pass_sessions=1e9)
+    assert sum(alone_past_others[-50:]) / 50 >= 3, alone_past_others[-50:]
+    monkeypatch.setattr(VerifyCostModel, "set_other_rows", lambda self, rows: None)  # the curve read at the own k
+    own_k = run(shared_pass_sessions=1e9)
+    assert own_k[-50:].count(0) >= 40, own_k[-50:]
+
+
+def test_sessions_of_a_batch_that_does_not_draft_yet_start_drafting_together():
+    """The 8-stream case measured on a 1B target: every session at k = 0, so a session that drafts
+    alone comes back from its drafter after the others' pass and waits for a pass of its own (its
+    rounds measured 190 ms at k = 0, 272 ms at k = 2). Judged alone, drafting never paid; judged as
+    all sessions drafting the same k over the verifier's curve, it does at α 0.7."""
+    curve = [0.100] + [0.150] * 7 + [0.150 + 0.01 * i for i in range(1, 10)]  # steps at 1 -> 2, grows past 8
+
+    def verify_s(k: int) -> float:  # the others stay at k = 0: a drafting session misses their pass
+        return 0.160 if k == 0 else 0.160 + 0.080 + 0.010 * k
+
+    def run(**config) -> list[int]:
+        policy = AdaptiveDraftLength(forward_curve=curve, co_batched=3, **config)
+        accepted, ks = geometric(0.7, 4), []
+        for i in range(200):
+            k = policy.choose(16)
+            policy.observe(RoundObservation(k, accepted(k, i) if k else 0, 0.008 * k + 0.002 if k else 0.0,
+                                            verify_s(k), batch_size=4 if k == 0 else 1,
+                                            batch_tokens=4 if k == 0 else k + 1))
+            ks.append(k)
+        return ks
+
+    together = run()
+    assert sum(1 for k in together[-100:] if k >= 2) >= 80, together[-100:]
+    alone = run(shared_pass_sessions=1e9)
+    assert alone[-100:].count(0) >= 70, alone[-100:]
+
+
 def test_forward_curve_keeps_a_weak_draft_off():
     """A draft accepting 15 % per token on a verifier whose k = 0 rounds happened to be slow:
     with the measured forward curve the policy settles on plain decoding (probes aside)."""
@@ -469,12 +533,18 @@ def test_probes_back_off_further_when_they_lengthen_a_shared_pass():
 
 
 def test_probes_skipped_where_not_even_a_high_acceptance_would_pay():
-    """On a CPU verifier a draft token costs a step of the forward curve (56 -> 87 ms here, the
-    embedded target's), and under load every session sharing the pass pays it: with 13 others,
-    drafting loses even at the upper bound of a 0.3 acceptance, so probing (which costs drafter and
-    verifier time) stops once that bound is tight. Alone, with the same acceptance and curve, it
-    probes on; and when the load goes, probing comes back."""
-    forward = [0.056] + [0.087] * 8
+    """On a CPU verifier the forward steps up from one token to two (56 -> 87 ms here, the embedded
+    target's under the hf runtime), stays flat, and past ~13 tokens grows by a step's worth per token
+    (compute-bound). Alone, a draft costs the step once, so deep drafts could pay at a high
+    acceptance and probes go on. Under load, with 13 others in the pass, the pass is on the steep
+    part: every draft token of every session costs 31 ms, and drafting loses even at the upper bound
+    of the acceptance, so probing (which costs drafter and verifier time) stops; when the load goes,
+    probing comes back."""
+    forward = CPU_FORWARD
+
+    def fwd(index: int) -> float:
+        return forward[min(index, len(forward) - 1)]
+
     accepted = geometric(0.3, 2)
 
     def run(p, rounds: int, batch: int) -> list[int]:
@@ -486,7 +556,8 @@ def test_probes_skipped_where_not_even_a_high_acceptance_would_pay():
                 p.start_shadow_probe()
                 pending, k = (k, accepted(k, i)), 0
                 started.append(i)
-            verify_s = (0.200 if batch > 1 else 0.060) + forward[min(k, 8)] - forward[0]
+            others = batch - 1  # one token each
+            verify_s = (0.200 if batch > 1 else 0.060) + fwd(others + k) - fwd(others)
             p.observe(RoundObservation(k, accepted(k, i) if k else 0, 0.003 * k, verify_s, batch))
             if pending is not None and i - started[-1] >= 1:
                 p.observe_shadow(*pending, draft_s=0.003 * pending[0])
@@ -495,8 +566,11 @@ def test_probes_skipped_where_not_even_a_high_acceptance_would_pay():
 
     loaded = AdaptiveDraftLength(forward_curve=forward)
     first = run(loaded, 300, batch=14)
-    assert first and first[-1] < 200, first  # probes while the estimate was loose, then none
-    assert loaded.acceptance.upper_alpha() < 0.7 and loaded.probes_skipped > 50
+    # 14 sessions drafting even one token each put 28 tokens in the pass: not even acceptance 1 pays
+    # for that, so no probe is worth its cost (before the shared-pass model: a few, while the
+    # acceptance estimate was loose).
+    assert all(i < 200 for i in first), first
+    assert loaded.probes_skipped > 50
     alone = AdaptiveDraftLength(forward_curve=forward)
     assert len([i for i in run(alone, 300, batch=1) if i >= 200]) >= 2  # same acceptance: probes go on
     assert alone.probes_skipped == 0
@@ -505,9 +579,10 @@ def test_probes_skipped_where_not_even_a_high_acceptance_would_pay():
 
 def test_a_session_joining_a_loaded_verifier_starts_from_its_load():
     """The memory holds a pair that pays alone (acceptance 0.7, the CPU forward curve). A new
-    session told that 13 others share the verifier expects plain decoding from its first round (so
-    the gateway does not open its drafter at prefill either); told nothing, it drafts."""
-    forward = [0.056] + [0.087] * 8
+    session told that 13 others share the verifier (its tokens then sit on the curve's steep part)
+    expects plain decoding from its first round (so the gateway does not open its drafter at prefill
+    either); told nothing, it drafts."""
+    forward = CPU_FORWARD
     memory = AcceptanceMemory()
     key = AcceptanceMemory.make_key("model", "draft", "target")
     first = memory.create(key, forward_curve=forward)

@@ -65,6 +65,11 @@ class AdaptiveConfig:
 
     # -- Choosing k ---------------------------------------------------------------------------
 
+    shared_pass_sessions: float = 0.5
+    """With at least this many other sessions in its verify passes on average (and the verifier's
+    forward curve known), a session chooses k as if every session in them drafted the same k
+    (``AdaptiveDraftLength._shared_pass_rates``); below it, as a session alone."""
+
     draft_margin: float = 0.0
     """A k >= 1 is chosen only if its rate beats k = 0 by more than this fraction. A margin leaves
     room for costs of drafting the model cannot see per round (the drafter's catch-up after k = 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from specdec.costs import extend_curve, isotonic
+from specdec.costs import extend_curve, isotonic, weighted_line
 from specdec.speedup import expected_tokens_curve
 
 
@@ -179,18 +179,6 @@ class AcceptanceEstimator:
         self.pos_trials = [t * scale for t in state.get("pos_trials", [])][: self.max_positions]
 
 
-def _weighted_slope(xs: list[float], ys: list[float], ws: list[float]) -> float | None:
-    sw = sum(ws)
-    if sw <= 0:
-        return None
-    mx = sum(w * x for x, w in zip(xs, ws)) / sw
-    my = sum(w * y for y, w in zip(ys, ws)) / sw
-    sxx = sum(w * (x - mx) ** 2 for x, w in zip(xs, ws))
-    if sxx <= 1e-12:
-        return None
-    return sum(w * (x - mx) * (y - my) for x, y, w in zip(xs, ys, ws)) / sxx
-
-
 class VerifyCostModel:
     """Verify time (as the loop sees it, round trip included) as a function of k.
 
@@ -208,6 +196,11 @@ class VerifyCostModel:
     the forward (round trip, queueing, the work around the pass), and the curve is that plus the
     forward: the shape in k comes from the verifier's own timing, not from a handful of noisy
     rounds (pooling a noisy k = 0 mean with k = 1 would otherwise make a draft token look free).
+
+    The forward curve is one session's; in a pass the verifier batches, this session's k + 1 tokens
+    ride on ``other_rows`` tokens of the other sessions, so its k is read at ``k + other_rows`` on
+    the curve: on a CPU whose cost steps up from one row to two, a draft is expensive alone and
+    nearly free beside seven other sessions' rows (the step is behind the pass already).
     """
 
     def __init__(self, decay: float = 0.95, prior_slope: float = 0.03, line_weight: float = 2.0,
@@ -216,15 +209,20 @@ class VerifyCostModel:
         self.prior_slope = prior_slope
         self.line_weight = line_weight
         self.forward_curve = [float(t) for t in forward_curve] if forward_curve else None
-        self.means: dict[int, float] = {}
+        self.other_rows = 0.0  # the other sessions' tokens in this session's passes (set by the policy)
+        self.means: dict[int, float] = {}  # per k: the rounds' mean cost beyond the forward (all of it without a curve)
         self.weights: dict[int, float] = {}
         self._cache: tuple[int, list[float]] | None = None
 
     def update(self, k: int, seconds: float) -> None:
+        """One round verifying k drafts took ``seconds``; kept as what it cost beyond the forward
+        (read where this round's pass put the session), so that a change of load moves the forward
+        part and leaves the learned part (round trip, queueing, work around the pass) as it was."""
         k = int(k)
+        beyond = seconds - self.forward(k)
         w = self.weights.get(k, 0.0) * self.decay + 1.0
-        m = self.means.get(k, seconds)
-        self.means[k] = m + (seconds - m) / w
+        m = self.means.get(k, beyond)
+        self.means[k] = m + (beyond - m) / w
         self.weights[k] = w
         self._cache = None
 
@@ -233,12 +231,21 @@ class VerifyCostModel:
         return not self.means
 
     def forward(self, k: int) -> float:
-        """The verifier's measured forward over k + 1 tokens (0 without a curve)."""
-        return extend_curve(self.forward_curve, k) if self.forward_curve else 0.0
+        """The verifier's measured forward over k + 1 tokens beside ``other_rows`` others (0 without a curve)."""
+        return extend_curve(self.forward_curve, k + self.other_rows) if self.forward_curve else 0.0
+
+    def pass_forward(self, tokens: float) -> float:
+        """The verifier's measured forward over ``tokens`` tokens in all (0 without a curve)."""
+        return extend_curve(self.forward_curve, tokens - 1) if self.forward_curve else 0.0
+
+    def set_other_rows(self, rows: float) -> None:
+        if rows != self.other_rows:
+            self.other_rows = max(0.0, float(rows))
+            self._cache = None
 
     def _residuals(self) -> tuple[list[int], list[float], list[float]]:
         ks = sorted(self.means)
-        return ks, [self.means[k] - self.forward(k) for k in ks], [self.weights[k] for k in ks]
+        return ks, [self.means[k] for k in ks], [self.weights[k] for k in ks]
 
     def line(self) -> tuple[float, float] | None:
         """(intercept, slope) of the weighted least-squares line through the per-k means (with a
@@ -249,7 +256,8 @@ class VerifyCostModel:
         sw = sum(ws)
         mk = sum(w * k for k, w in zip(ks, ws)) / sw
         my = sum(w * y for y, w in zip(ys, ws)) / sw
-        slope = _weighted_slope([float(k) for k in ks], ys, ws)
+        fitted = weighted_line([float(k) for k in ks], ys, ws)
+        slope = fitted[1] if fitted is not None else None
         if slope is None:
             # One k seen: the forward curve carries the shape; without one, the prior does.
             slope = 0.0 if self.forward_curve else self.prior_slope * my / (1.0 + self.prior_slope * mk)
