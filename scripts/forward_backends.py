@@ -44,6 +44,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--prefix", type=int, default=64)
+    parser.add_argument("--real-prompts", type=int, default=8,
+                        help="also compare logits on this many MT-bench and as many HumanEval prompts (0: skip)")
+    parser.add_argument("--decode-tokens", type=int, default=32, help="greedy tokens decoded one by one per real prompt")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     import numpy  # noqa: F401
@@ -98,6 +101,43 @@ def main() -> None:
     for n in sizes:
         print(f"{n:>4} {hf_best[n] * 1e3:16.1f} {lean_best[n] * 1e3:8.1f} {lean_best[n] / hf_best[n]:8.2f}"
               f"  {plan.backend(n).name:>7} {mm_best[n] * 1e3:12.1f} {lean_best[n] / mm_best[n]:14.2f}")
+
+
+    if args.real_prompts:
+        real_prompt_diff(lm, lean, args.real_prompts, args.decode_tokens)
+
+
+def real_prompt_diff(lm, lean, count: int, decode_tokens: int) -> None:
+    """Largest |lean - transformers| logit on real prompts: the prompt's prefill (every position's
+    logits) and then ``decode_tokens`` greedy steps of one token (the decode path's backend)."""
+    from specdec.bench.prompts import load_prompts
+    from specdec.prompts import encode_chat, encode_text
+
+    prompts = []
+    for name in ("mt_bench", "humaneval"):
+        for conv in load_prompts(name, count):
+            text = conv.turns[0]
+            prompts.append(encode_chat(lm.tokenizer, [("user", text)]) if conv.chat else encode_text(lm.tokenizer, text))
+    worst_prefill = worst_decode = 0.0
+    near_ties = 0
+    for ids in prompts:
+        kv = lean.new_kv()
+        with torch.inference_mode():
+            want = lm.model(input_ids=torch.tensor([ids])).logits[0].float()
+        got = lean.forward([kv], [ids], [len(ids)])
+        worst_prefill = max(worst_prefill, float((got - want).abs().max()))
+        tokens = list(ids)
+        for _ in range(decode_tokens):
+            tokens.append(int(got[-1].argmax()))
+            got = lean.forward([kv], [tokens[-1:]], [1])
+            with torch.inference_mode():
+                want = lm.model(input_ids=torch.tensor([tokens])).logits[0, -1:].float()
+            worst_decode = max(worst_decode, float((got - want).abs().max()))
+            top = want[0].topk(2).values
+            near_ties += int(float(top[0] - top[1]) <= 1e-4)
+    print(f"\nreal prompts ({len(prompts)}: MT-bench turn 1 with the chat template, HumanEval as text): max |lean - "
+          f"transformers| logit {worst_prefill:.2e} over every prefill position, {worst_decode:.2e} over "
+          f"{decode_tokens} one-token decode steps each ({near_ties} steps with the top two logits within 1e-4)")
 
 
 if __name__ == "__main__":
