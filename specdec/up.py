@@ -55,6 +55,10 @@ def add_arguments(up: argparse.ArgumentParser, default_target: str) -> None:
     up.add_argument("--drafter-device", default=None,
                     help="the drafter's device (default: as the verifier's, cuda if present). With both on one "
                          "GPU, 'cpu' keeps a small draft's launch-bound passes out of the verifier's way")
+    up.add_argument("--emulate-machines", action="store_true",
+                    help="two machines on one: the verifier on the first half of this process's cores, the drafter "
+                         "and the gateway on the others (CPU affinity; the verifier's threads set to its cores). "
+                         "Memory bandwidth and caches stay shared. With --net-delay-ms for the links' latency")
     up.add_argument("--drafter-threads", type=int, default=1,
                     help="CPU threads of the drafter: on one machine its spinning worker threads take cores "
                          "from the verifier's forward passes (0: torch's default, one per core)")
@@ -126,6 +130,16 @@ def deprioritise(nice: int, idle: bool):
     return apply
 
 
+def machine_partition(cpus: set[int] | frozenset[int]) -> tuple[frozenset[int], frozenset[int]]:
+    """``--emulate-machines``: (the verifier's cores, the drafter's and gateway's), the first half of
+    ``cpus`` (rounded up) and the rest. Needs two cores at least."""
+    ordered = sorted(cpus)
+    if len(ordered) < 2:
+        raise SystemExit(f"error: --emulate-machines needs two cores or more (this process may use {len(ordered)})")
+    half = (len(ordered) + 1) // 2
+    return frozenset(ordered[:half]), frozenset(ordered[half:])
+
+
 def _flags(args, names: list[str]) -> list[str]:
     """``--name value`` for each of ``names`` set on ``args`` (booleans: ``--name`` when true)."""
     out: list[str] = []
@@ -178,12 +192,19 @@ def children(args) -> list[ChildSpec]:
     # A TLS stack's gateway names its peers by host name so that certificates verify; loopback here.
     peer_host = "localhost" if args.tls_cert else host
     env = service_token_env(args)  # one token for the three (and the same after a restart)
+    verifier_cpus = drafter_cpus = None
+    verifier_threads: list[str] = []
+    if getattr(args, "emulate_machines", False):
+        verifier_cpus, drafter_cpus = machine_partition(os.sched_getaffinity(0))
+        verifier_threads = ["--threads", str(len(verifier_cpus))]
     return [
         ChildSpec("verifier", base + ["verifier", "--target", args.target, "--host", host, "--port",
-                                      str(verifier_port), *common, *metrics(2), *_flags(args, ["max-new-tokens-cap"])],
-                  f"{peer_host}:{verifier_port}", drain_order=1, env=env),
+                                      str(verifier_port), *verifier_threads, *common, *metrics(2),
+                                      *_flags(args, ["max-new-tokens-cap"])],
+                  f"{peer_host}:{verifier_port}", drain_order=1, env=env, cpus=verifier_cpus),
         ChildSpec("drafter", drafter_cmd + common + metrics(1), f"{peer_host}:{drafter_port}", drain_order=1,
-                  after_ready=deprioritise(args.drafter_nice, idle=args.drafter_sched == "idle"), env=env),
+                  after_ready=deprioritise(args.drafter_nice, idle=args.drafter_sched == "idle"), env=env,
+                  cpus=drafter_cpus),
         ChildSpec("gateway", base + ["gateway", "--target", args.target, "--host", host, "--port", str(gateway_port),
                                      "--verifier", f"{peer_host}:{verifier_port}",
                                      "--drafter", f"{peer_host}:{drafter_port}",
@@ -191,7 +212,7 @@ def children(args) -> list[ChildSpec]:
                                      "--net-delay-ms", str(args.net_delay_ms), *common, *metrics(0),
                                      *_flags(args, ["http-port"]),
                                      *_flags(args, ["max-new-tokens-cap", "max-prompt-tokens", "api-keys-file"])],
-                  f"{peer_host}:{gateway_port}", drain_order=0, env=env),
+                  f"{peer_host}:{gateway_port}", drain_order=0, env=env, cpus=drafter_cpus),
     ]
 
 
@@ -241,6 +262,10 @@ def run(args) -> int:
     scheme = "https" if args.tls_cert else "http"
     http_note = f", OpenAI-compatible HTTP API on {scheme}://{args.host}:{args.http_port}/v1" if args.http_port else ""
     print(f"{LOG_PREFIX} gateway will listen on {args.host}:{args.port}{http_note}", flush=True)
+    if args.emulate_machines:
+        verifier_cpus, drafter_cpus = machine_partition(os.sched_getaffinity(0))
+        print(f"{LOG_PREFIX} two machines on one: verifier on cores {sorted(verifier_cpus)}, drafter and gateway on "
+              f"{sorted(drafter_cpus)} (memory bandwidth and caches still shared)", flush=True)
     threading.Thread(target=_announce_ready, args=(supervisor, specs), daemon=True).start()
     try:
         supervisor.run()

@@ -84,6 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--net-delay-ms yourself)")
     p.add_argument("--drafter-device", default=None,
                    help="--up: the drafter service's device (default: as the verifier's; see specdec up)")
+    p.add_argument("--emulate-machines", action="store_true",
+                   help="with --up: two machines on one (specdec up --emulate-machines): the verifier on half the "
+                        "cores, the drafter and gateway on the others; every system runs on that partition")
     p.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=False,
                    help="with --up: the gateway's default for draft-ahead (systems spec-ahead/spec-noahead force it)")
     p.add_argument("--rounds", type=int, default=1,
@@ -130,6 +133,8 @@ def validate_args(args) -> None:
         raise ValueError("--rounds must be >= 1")
     if args.up and (args.local or args.gateway):
         raise ValueError("--up starts its own gateway: not with --local or --gateway")
+    if getattr(args, "emulate_machines", False) and not args.up:
+        raise ValueError("--emulate-machines partitions the stack --up starts: it needs --up")
     if is_synthetic(args.target):
         parse_synthetic(args.target)  # a bad name fails before any stack starts
     validate_replay_args(args)
@@ -172,6 +177,16 @@ class ModelCache:
         return ModelDrafter(draft) if draft is not None else NgramDrafter()
 
 
+def machine_partition_config(args, stack) -> dict | None:
+    """``--emulate-machines`` with ``--up``: the cores of the verifier and of the drafter and gateway."""
+    if not getattr(args, "emulate_machines", False) or stack is None:
+        return None
+    from specdec.up import machine_partition
+
+    verifier, drafter = machine_partition(os.sched_getaffinity(0))
+    return {"verifier_cpus": sorted(verifier), "drafter_gateway_cpus": sorted(drafter)}
+
+
 def start_local_stack(args):
     """``--up``: a local stack (``specdec up``) for the gateway systems; returns (stack, address)."""
     from specdec.stack import LocalStack
@@ -182,6 +197,8 @@ def start_local_stack(args):
         up_args += ["--draft-model", args.draft_model]
     if getattr(args, "drafter_device", None):
         up_args += ["--drafter-device", args.drafter_device]
+    if getattr(args, "emulate_machines", False):
+        up_args += ["--emulate-machines"]
     if replay_requested(args):
         up_args += ["--draft-method", "replay", "--replay-file", args.replay_file]
     stack = LocalStack(up_args, quiet=True)
@@ -328,6 +345,7 @@ def run_bench(args) -> dict:
             "net_delay_ms": args.net_delay,
             "net_delay_injected": (stack is not None or getattr(args, "stack_started", False)) and args.net_delay > 0,
             "draft_ahead_default": args.draft_ahead if stack is not None or getattr(args, "stack_started", False) else None,
+            "machine_partition": machine_partition_config(args, stack),
         },
         "machine": machine_info(args.device),
         "systems": summaries,

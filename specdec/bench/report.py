@@ -47,6 +47,10 @@ def render_report(summary: dict) -> str:
                      "with --net-delay-ms)")
     else:
         lines.append("- net delay: 0 ms")
+    if partition := cfg.get("machine_partition"):
+        lines.append(f"- two machines on one: the verifier on cores {partition['verifier_cpus']}, the drafter and the "
+                     f"gateway on {partition['drafter_gateway_cpus']} (CPU affinity), every system alike; memory "
+                     "bandwidth and caches are still shared")
     lines.append(f"- machine: {machine.get('cpu_model', machine.get('processor'))}, {machine.get('cpu_count')} CPUs, "
                  f"{machine.get('torch_threads')} torch threads"
                  + (f", GPU {machine['gpu']}" if machine.get("gpu") else "")
