@@ -76,6 +76,22 @@ def prefill_per_token(prefill_records: Sequence[RequestRecord], records: Sequenc
     return sum(ttfts) / len(ttfts) * len(done) / decoded
 
 
+
+def same_drafter(a: dict, b: dict) -> bool:
+    """Whether two systems' summaries drafted with the same drafter (method, and replay or not)."""
+    return a.get("method") == b.get("method") and (a.get("replay_acceptance") is None) == (b.get("replay_acceptance") is None)
+
+
+def borrow_draft_costs(costs: dict[int, dict], others: Sequence[RequestRecord]) -> None:
+    """Add the steady draft rounds of ``others`` (the same drafter in other systems of the run) to
+    ``costs``: a system that drafted too little to time its drafter (an adaptive one at low
+    acceptance) would otherwise be bounded with free drafts."""
+    for k, c in pooled_round_costs(others).items():
+        if k > 0:
+            mine = costs.setdefault(k, {"rounds": 0, "verify_s": 0.0, "steady_rounds": 0, "steady_draft_s": 0.0})
+            mine["steady_rounds"] += c["steady_rounds"]
+            mine["steady_draft_s"] += c["steady_draft_s"]
+
 def round_cost_curve(costs: dict[int, dict], overhead_s: float, forward: Sequence[float] | None,
                      draft_step_s: float | None, max_k: int) -> dict | None:
     """A round's cost for k = 0..max_k: verify + draft + ``overhead_s``.
@@ -245,20 +261,9 @@ def compute_bound(args, summaries: dict, all_records: dict, models, reference: s
             log.warning("draft cost measurement failed: %s", exc)
     own_costs = pooled_round_costs(records)
     if not any(k > 0 and c["steady_rounds"] >= MIN_ROUNDS_PER_K for k, c in own_costs.items()):
-        # It drafted too little to time its drafter (an adaptive run at low acceptance): the drafter's
-        # steady rounds in the run's other systems of the same draft method time the same drafter.
-        method = s.get("method")
-        replay = s.get("replay_acceptance") is not None
-        same = [r for name, rs in all_records.items()
-                if name != ref and name in summaries and summaries[name].get("method") == method
-                and (summaries[name].get("replay_acceptance") is not None) == replay
-                for r in rs]
-        others = pooled_round_costs(same)
-        for k, c in others.items():
-            if k > 0:
-                mine = own_costs.setdefault(k, {"rounds": 0, "verify_s": 0.0, "steady_rounds": 0, "steady_draft_s": 0.0})
-                mine["steady_rounds"] += c["steady_rounds"]
-                mine["steady_draft_s"] += c["steady_draft_s"]
+        borrow_draft_costs(own_costs, [r for name, rs in all_records.items()
+                                       if name != ref and name in summaries and same_drafter(summaries[name], s)
+                                       for r in rs])
         out["draft_costs_from"] = "the run's other systems of this draft method (this one drafted too little)"
     costs = round_cost_curve(own_costs, overhead_per_round(records), forward, draft_step, VERIFY_CURVE_TOKENS - 1)
     if costs is not None:
