@@ -27,6 +27,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from specdec import split
 from specdec.policy import (
     AcceptanceMemory,
     AdaptiveDraftLength,
@@ -335,6 +336,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-k", type=int, default=MAX_FIXED_K)
     parser.add_argument("--noise", type=float, default=0.05, help="log-normal sigma on call costs")
     parser.add_argument("--scenario", action="append", help="run only this scenario (repeatable)")
+    split.add_arguments(parser)
     return parser
 
 
@@ -350,12 +352,15 @@ def run_from_args(args: argparse.Namespace) -> dict:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """Run and print (``--json``: the result dict as JSON; else the table). For ``specdec sim``."""
-    result = run_from_args(args)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(format_table(result))
+    """Run and print (``--json``: the result dict as JSON; else the table). For ``specdec sim``
+    (``--split``: ``specdec.split``'s predictions instead of the policies' simulation)."""
+    module = split if getattr(args, "split", False) else sys.modules[__name__]
+    try:
+        result = module.run_from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2) if args.json else module.format_table(result))
     return 0
 
 

@@ -509,6 +509,10 @@ def test_bench_up_tiny(tiny_pair, prompt_file, tmp_path):
     assert set(summary["systems"]["spec-k=2"]["k_counts"]) <= {"0", "1", "2"}
     assert summary["speedup"]["spec_vs_baseline"] > 0
     assert math.isfinite(summary["speedup"]["measured_over_bound"])
+    split = summary["split_prediction"]  # the split model at this run's delay, beside the measured systems
+    assert split["one_way_delay_s"] == pytest.approx(0.003) and split["baseline_tokens_per_s"] > 0
+    assert split["ahead_tokens_per_s"] > 0 and split["noahead_tokens_per_s"] > 0
+    assert "Split model" in (out / "report.md").read_text()
 
 
 def test_bench_concurrency_sweep_up_tiny(tiny_pair, prompt_file, tmp_path):

@@ -177,6 +177,19 @@ class ModelCache:
         return ModelDrafter(draft) if draft is not None else NgramDrafter()
 
 
+def split_prediction(summary: dict) -> dict | None:
+    """``specdec sim --split``'s prediction for this run's delay from its own measured costs, to set
+    beside the measured systems (None without round costs)."""
+    from specdec import split
+
+    try:
+        costs, alpha = split.costs_from_bench(summary)
+    except (ValueError, KeyError, TypeError):
+        return None
+    delay = 1e-3 * float(summary["config"].get("net_delay_ms") or 0.0) if summary["config"].get("net_delay_injected") else 0.0
+    return {"alpha": alpha, "one_way_delay_s": delay, **split.predict(costs, alpha, [delay])[0]}
+
+
 def machine_partition_config(args, stack) -> dict | None:
     """``--emulate-machines`` with ``--up``: the cores of the verifier and of the drafter and gateway."""
     if not getattr(args, "emulate_machines", False) or stack is None:
@@ -355,6 +368,7 @@ def run_bench(args) -> dict:
         "spec_vs_baseline_by_round": paired_round_ratios(summaries, spec_reference(summaries)) if rounds > 1 else None,
         "bound": bound,
     }
+    summary["split_prediction"] = split_prediction(summary)
     if control is not None:
         summary["config"]["replay"] = control.config()
         summary["acceptance_sweep"] = sweep_results(args, systems, summaries, all_records, models, control)

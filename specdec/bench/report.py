@@ -138,6 +138,16 @@ def render_report(summary: dict) -> str:
             lines.append(f"| {k} | {measured.get(k, 0)} | {fmt(bound['t_verify_s'][k], 1e3, 2)} | {fmt(bound['t_draft_s'][k], 1e3, 2)} "
                          f"| {fmt(bound['t_round_s'][k], 1e3, 2)} | {fmt(forward[k] if k < len(forward) else None, 1e3, 2)} "
                          f"| {fmt(point['expected_tokens'], digits=3)} | {fmt(point['speedup'], digits=3)} |")
+    if split := summary.get("split_prediction"):
+        def measured(name):
+            return fmt((systems.get(name) or {}).get("tokens_per_s"))
+
+        lines += ["", f"Split model (`specdec sim --split`, `specdec/split.py`) from this run's costs, per-token acceptance "
+                  f"{fmt(split['alpha'], digits=3)}, one-way delay {fmt(split['one_way_delay_s'], 1e3, 1)} ms: baseline "
+                  f"{fmt(split['baseline_tokens_per_s'])} tok/s (measured {measured('baseline')}), speculation without "
+                  f"draft-ahead {fmt(split['noahead_tokens_per_s'])} at k = {split['noahead_k']} (spec-noahead measured "
+                  f"{measured('spec-noahead')}), with draft-ahead {fmt(split['ahead_tokens_per_s'])} at k = {split['ahead_k']} "
+                  f"(spec-ahead measured {measured('spec-ahead')}); decoding only, acceptance independent per token."]
     lines.append("")
     if bound.get("note"):
         lines += [f"Note: {bound['note']}", ""]
