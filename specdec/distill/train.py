@@ -85,21 +85,26 @@ def split_records(directories: list[Path], holdout: int, holdout_from: list[Path
     return held, train
 
 
-def make_batches(records: list[dict], token_budget: int, rng: random.Random) -> list[list[dict]]:
-    """Length-sorted buckets of at most ``token_budget`` padded tokens, in random order."""
-    order = sorted(records, key=lambda r: len(r["prompt_ids"]) + len(r["output_ids"]))
+def budget_batches(items, size, token_budget: int, rng: random.Random, order_key=None) -> list[list]:
+    """``items`` in length-sorted buckets of at most ``token_budget`` padded tokens (``size(item)``
+    tokens each; sorted by ``order_key``, default ``size``), in random order."""
     batches, current, width = [], [], 0
-    for record in order:
-        length = len(record["prompt_ids"]) + len(record["output_ids"])
+    for item in sorted(items, key=order_key or size):
+        length = size(item)
         if current and max(width, length) * (len(current) + 1) > token_budget:
             batches.append(current)
             current, width = [], 0
-        current.append(record)
+        current.append(item)
         width = max(width, length)
     if current:
         batches.append(current)
     rng.shuffle(batches)
     return batches
+
+
+def make_batches(records: list[dict], token_budget: int, rng: random.Random) -> list[list[dict]]:
+    """Length-sorted buckets of at most ``token_budget`` padded tokens, in random order."""
+    return budget_batches(records, lambda r: len(r["prompt_ids"]) + len(r["output_ids"]), token_budget, rng)
 
 
 def batch_loss(model, batch: list[dict], head_ids: torch.Tensor, position_of: torch.Tensor,
