@@ -285,6 +285,13 @@ def test_match_bits_are_what_the_drafter_would_propose(tiny_draft):
         step.close()
 
 
+def test_spec_reference_falls_back_to_the_draft_ahead_systems():
+    assert metrics.spec_reference({"spec": {}, "spec-k=4": {}}) == "spec"
+    assert metrics.spec_reference({"spec-k=4": {}, "spec-noahead": {}}) == "spec-k=4"
+    assert metrics.spec_reference({"spec-ahead": {}, "spec-noahead": {}, "baseline": {}}) == "spec-noahead"
+    assert metrics.spec_reference({"baseline": {}}) is None
+
+
 def test_fixed_k_rounds_replays_where_each_round_ends():
     bits = [True, True, False, True, True, True, False, False]
     assert teacher_forced.fixed_k_rounds(bits, 2) == (4, 8)  # accepts 2 | 2 | 0 | 0 drafts, +1 token each

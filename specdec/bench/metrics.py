@@ -189,11 +189,13 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def spec_reference(summaries: dict) -> str | None:
-    """The speculative system whose acceptance feeds the bound: spec, else inprocess, else a spec-k."""
+    """The speculative system whose acceptance feeds the bound: spec, else inprocess, else a spec-k,
+    else spec-noahead, else spec-ahead."""
     for name in ("spec", "inprocess"):
         if name in summaries:
             return name
-    return next((n for n in summaries if n.startswith("spec-k=")), None)
+    fixed = next((n for n in summaries if n.startswith("spec-k=")), None)
+    return fixed or next((n for n in ("spec-noahead", "spec-ahead") if n in summaries), None)
 
 
 def compute_speedups(summaries: dict) -> dict:
