@@ -7,14 +7,14 @@ token:
 
     E[tokens](k) = 1 + sum_{j=1..k} prod_{i<=j} alpha_i      (= (1 - a^(k+1)) / (1 - a) if alpha_i = a)
 
-and, with a per-token draft cost t_draft and the verify-cost curve t_verify(k), the best speedup
-over plain decoding (one target step per token) is
+and, with each round's whole cost t_round(k) (drafting, verifying, the hops between), a plain
+round's t_plain and the time before the first token spread over the decoded tokens P (the same
+prefill for both), the best speedup over plain decoding is
 
-    bound = max_k E[tokens](k) * t_verify(0) / (k * t_draft + t_verify(k)),
+    bound = max_k (P + t_plain) / (P + t_round(k) / E[tokens](k))
 
-or, with each round's whole measured cost t_round(k) (drafting, verifying, the hops between), a
-plain round's t_plain and the time before the first token spread over the decoded tokens P (the
-same prefill for both), max_k (P + t_plain) / (P + t_round(k) / E[tokens](k)).
+(the textbook form, max_k E[tokens](k) * t_verify(0) / (k * t_draft + t_verify(k)), is the case
+t_round(k) = t_verify(k) + k * t_draft, t_plain = t_verify(0), P = 0).
 
 The benchmark's bound, the adaptive policy's expected rates and the simulator all use these
 functions; nothing else spells the formulas out.
@@ -86,15 +86,3 @@ def speedup_bound_from_rounds(round_s: Sequence[float], plain_round_s: float, al
         curve.append({"k": k, "expected_tokens": e, "speedup": (p + plain_round_s) / (p + cost / e)})
     best = max(curve, key=lambda c: c["speedup"])
     return {"best_k": best["k"], "bound": best["speedup"], "curve": curve}
-
-
-def speedup_bound(t_verify: Sequence[float], t_draft: float, alpha: float | None = None,
-                  alphas: Sequence[float] | None = None) -> dict:
-    """max over k of E[tokens](k) * t_verify(0) / (k * t_draft + t_verify(k)).
-
-    ``t_verify[k]`` is the verification cost with k drafts (the forward over k + 1 tokens); the
-    rest as ``speedup_bound_from_rounds``."""
-    if not t_verify or t_verify[0] <= 0:
-        raise ValueError("t_verify needs a positive t_verify(0)")
-    return speedup_bound_from_rounds([k * t_draft + tv for k, tv in enumerate(t_verify)], t_verify[0],
-                                     alpha=alpha, alphas=alphas)

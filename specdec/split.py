@@ -115,6 +115,11 @@ def with_draft_speed(costs: SplitCosts, token_fraction: float) -> SplitCosts:
     return replace(costs, draft_token_s=token_fraction * costs.verify(0))
 
 
+def injected_delay_s(config: dict) -> float:
+    """The one-way delay a bench run injected on every message (its summary's config)."""
+    return 1e-3 * float(config.get("net_delay_ms") or 0.0) if config.get("net_delay_injected") else 0.0
+
+
 def costs_from_bench(summary: dict) -> tuple[SplitCosts, float]:
     """Costs and the first-position acceptance from a ``specdec bench`` summary (its bound): the round
     costs per k less the network delay the bench injected (two messages per call)."""
@@ -123,7 +128,7 @@ def costs_from_bench(summary: dict) -> tuple[SplitCosts, float]:
     bound, cfg = summary.get("bound") or {}, summary.get("config") or {}
     if not bound.get("t_verify_s") or not bound.get("t_draft_s"):
         raise ValueError("the bench summary has no round costs (bound.t_verify_s / t_draft_s): rerun the bench")
-    rtt = 2e-3 * float(cfg.get("net_delay_ms") or 0.0) if cfg.get("net_delay_injected") else 0.0
+    rtt = 2.0 * injected_delay_s(cfg)
     gateway = float(bound.get("overhead_s") or 0.0)
     verify = [max(0.0, v - rtt) for v in bound["t_verify_s"]]
     if bound.get("t_plain_s"):  # the baseline's own plain round (a speculative system's k = 0 rounds share

@@ -262,10 +262,10 @@ def run(args) -> int:
     scheme = "https" if args.tls_cert else "http"
     http_note = f", OpenAI-compatible HTTP API on {scheme}://{args.host}:{args.http_port}/v1" if args.http_port else ""
     print(f"{LOG_PREFIX} gateway will listen on {args.host}:{args.port}{http_note}", flush=True)
-    if args.emulate_machines:
-        verifier_cpus, drafter_cpus = machine_partition(os.sched_getaffinity(0))
-        print(f"{LOG_PREFIX} two machines on one: verifier on cores {sorted(verifier_cpus)}, drafter and gateway on "
-              f"{sorted(drafter_cpus)} (memory bandwidth and caches still shared)", flush=True)
+    cores = {spec.name: spec.cpus for spec in specs}
+    if cores["verifier"]:  # --emulate-machines: the partition children() gave the services
+        print(f"{LOG_PREFIX} two machines on one: verifier on cores {sorted(cores['verifier'])}, drafter and gateway "
+              f"on {sorted(cores['drafter'])} (memory bandwidth and caches still shared)", flush=True)
     threading.Thread(target=_announce_ready, args=(supervisor, specs), daemon=True).start()
     try:
         supervisor.run()

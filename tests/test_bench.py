@@ -91,16 +91,23 @@ def test_expected_tokens():
     assert speedup.conditional_alphas([0.8, 0.4, 0.2]) == pytest.approx([0.8, 0.5, 0.5])
 
 
+def classic_bound(t_verify, t_draft, alpha=None, alphas=None):
+    """The textbook bound, max_k E[tokens](k) t_verify(0) / (k t_draft + t_verify(k)): the round-cost
+    bound with t_round(k) = t_verify(k) + k t_draft and t_plain = t_verify(0)."""
+    return speedup.speedup_bound_from_rounds([tv + k * t_draft for k, tv in enumerate(t_verify)], t_verify[0],
+                                             alpha=alpha, alphas=alphas)
+
+
 @pytest.mark.parametrize("alpha, c, best_k, bound", [
     # REFERENCES §1: alpha 0.8, c 0.05 -> k ~ 8, 3.1x; alpha 0.7, c 0.2 -> k ~ 3, 1.6x
     (0.8, 0.05, 8, (1 - 0.8 ** 9) / 0.2 / 1.4),
     (0.7, 0.2, 3, (1 - 0.7 ** 4) / 0.3 / 1.6),
 ])
 def test_bound_flat_verify_cost(alpha, c, best_k, bound):
-    result = speedup.speedup_bound([1.0] * 16, c, alpha=alpha)
+    result = classic_bound([1.0] * 16, c, alpha=alpha)
     assert result["best_k"] == best_k
     assert result["bound"] == pytest.approx(bound)
-    assert 3.08 < speedup.speedup_bound([1.0] * 16, 0.05, alpha=0.8)["bound"] < 3.1
+    assert 3.08 < classic_bound([1.0] * 16, 0.05, alpha=0.8)["bound"] < 3.1
 
 
 def test_bound_acceptance_counts_shadow_probes_at_the_first_position():
@@ -125,15 +132,15 @@ def test_bound_acceptance_counts_shadow_probes_at_the_first_position():
 
 def test_bound_with_growing_verify_cost_and_positions():
     # t_verify(k) = 1 + 0.1 k, free drafts, alpha 0.5: k=2 gives 1.75 / 1.2
-    result = speedup.speedup_bound([1.0 + 0.1 * k for k in range(16)], 0.0, alpha=0.5)
+    result = classic_bound([1.0 + 0.1 * k for k in range(16)], 0.0, alpha=0.5)
     assert result["best_k"] == 2
     assert result["bound"] == pytest.approx(1.75 / 1.2)
     # positional: first draft always accepted, second half the time, none after
-    result = speedup.speedup_bound([1.0 + 0.1 * k for k in range(16)], 0.0, alpha=0.0, alphas=[1.0, 0.5])
+    result = classic_bound([1.0 + 0.1 * k for k in range(16)], 0.0, alpha=0.0, alphas=[1.0, 0.5])
     # E = 1, 2, 2.5, 2.5, ...: k=1 gives 2 / 1.1, k=2 gives 2.5 / 1.2 (best), k=3 2.5 / 1.3
     assert result["best_k"] == 2 and result["bound"] == pytest.approx(2.5 / 1.2)
     # no acceptance: k = 0 is best, bound 1
-    assert speedup.speedup_bound([1.0] * 4, 0.1, alpha=0.0)["bound"] == pytest.approx(1.0)
+    assert classic_bound([1.0] * 4, 0.1, alpha=0.0)["bound"] == pytest.approx(1.0)
 
 
 def test_monotone_verify_curve():
@@ -187,8 +194,8 @@ def test_bound_from_round_costs_uses_the_plain_round():
     diluted = speedup.speedup_bound_from_rounds([1.0, 1.2, 1.3], 1.0, alpha=0.5, prefill_per_token_s=0.5)
     assert diluted["curve"][2]["speedup"] == pytest.approx(1.5 / (0.5 + 1.3 / 1.75))
     assert 1.0 < diluted["bound"] < result["bound"]
-    # speedup_bound is the special case t_round(k) = t_verify(k) + k * t_draft, t_plain = t_verify(0)
-    special = speedup.speedup_bound([1.0, 1.1, 1.2], 0.05, alpha=0.6)["curve"]
+    # the textbook form is the special case t_round(k) = t_verify(k) + k * t_draft, t_plain = t_verify(0)
+    special = classic_bound([1.0, 1.1, 1.2], 0.05, alpha=0.6)["curve"]
     general = speedup.speedup_bound_from_rounds([1.0, 1.15, 1.3], 1.0, alpha=0.6)["curve"]
     assert [c["speedup"] for c in special] == pytest.approx([c["speedup"] for c in general])
 

@@ -20,11 +20,12 @@ ITL counted per token (a chunk of n tokens arriving g after the previous one giv
 g / n, since speculative chunks carry several tokens); end-to-end latency; output tokens/s and
 requests/s over the wall time of the run; plus the speculation figures from the final stats.
 
-The analytic bound: with per-position acceptance alpha_i, per-token draft cost t_draft and the
-verify-cost curve t_verify(k) (the target's forward over k + 1 tokens),
+The analytic bound (``bound``; the formulas are ``specdec.speedup``'s): the best fixed k for the
+measured round cost t_round(k) of each k, the baseline's plain round t_plain and time to first
+token per decoded token P, and the tokens per round E[tokens](k) (replayed on the target's outputs
+for a greedy draft model, else from the acceptance by position),
 
-    bound = max_k E[tokens](k) * t_verify(0) / (k * t_draft + t_verify(k)),
-    E[tokens](k) = 1 + sum_{j=1..k} prod_{i<=j} alpha_i   (= (1 - a^(k+1)) / (1 - a) for alpha_i = a),
+    bound = max_k (P + t_plain) / (P + t_round(k) / E[tokens](k)),
 
 and ``measured_over_bound`` = (spec tokens/s / baseline tokens/s) / bound.
 

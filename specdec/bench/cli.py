@@ -186,7 +186,7 @@ def split_prediction(summary: dict) -> dict | None:
         costs, alpha = split.costs_from_bench(summary)
     except (ValueError, KeyError, TypeError):
         return None
-    delay = 1e-3 * float(summary["config"].get("net_delay_ms") or 0.0) if summary["config"].get("net_delay_injected") else 0.0
+    delay = split.injected_delay_s(summary["config"])
     return {"alpha": alpha, "one_way_delay_s": delay, **split.predict(costs, alpha, [delay])[0]}
 
 

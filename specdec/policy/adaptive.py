@@ -306,16 +306,15 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         k = max(0, int(outcome.num_drafts))
         n = max(0, min(int(outcome.num_accepted), k))
         self.acceptance.update(k, n)
+        others = None  # the other sessions' tokens in this round's pass (None: not reported)
         if outcome.batch_size > 0:
             decay = self.config.cost_decay
             self.co_batched = decay * self.co_batched + (1.0 - decay) * float(outcome.batch_size - 1)
-            others = float(outcome.batch_tokens - (k + 1)) if outcome.batch_tokens > 0 else self.co_batched
-            self.verify.set_other_rows(others)  # this round's pass, to learn its cost beyond the forward
-            self.verify.update(k, float(outcome.verify_s))
-            self.other_rows = decay * self.other_rows + (1.0 - decay) * max(0.0, others)
-            self.verify.set_other_rows(self.other_rows)  # the next rounds': the recent mean
-        else:
-            self.verify.update(k, float(outcome.verify_s))
+            others = max(0.0, float(outcome.batch_tokens - (k + 1)) if outcome.batch_tokens > 0 else self.co_batched)
+        self.verify.update(k, float(outcome.verify_s), others)
+        if others is not None:
+            self.other_rows = decay * self.other_rows + (1.0 - decay) * others
+            self.verify.set_other_rows(self.other_rows)  # the next rounds' passes: the recent mean
         if k > 0:
             if self._catch_up:
                 self.draft.note_catch_up(k, float(outcome.draft_s))

@@ -214,12 +214,14 @@ class VerifyCostModel:
         self.weights: dict[int, float] = {}
         self._cache: tuple[int, list[float]] | None = None
 
-    def update(self, k: int, seconds: float) -> None:
-        """One round verifying k drafts took ``seconds``; kept as what it cost beyond the forward
-        (read where this round's pass put the session), so that a change of load moves the forward
-        part and leaves the learned part (round trip, queueing, work around the pass) as it was."""
+    def update(self, k: int, seconds: float, other_rows: float | None = None) -> None:
+        """One round verifying k drafts took ``seconds``; kept as what it cost beyond the forward, read
+        where this round's pass put the session (``other_rows``: the other sessions' tokens in it;
+        None: ``self.other_rows``), so that a change of load moves the forward part and leaves the
+        learned part (round trip, queueing, work around the pass) as it was."""
         k = int(k)
-        beyond = seconds - self.forward(k)
+        others = self.other_rows if other_rows is None else max(0.0, float(other_rows))
+        beyond = seconds - self.pass_forward(k + 1 + others)
         w = self.weights.get(k, 0.0) * self.decay + 1.0
         m = self.means.get(k, beyond)
         self.means[k] = m + (beyond - m) / w
@@ -232,7 +234,7 @@ class VerifyCostModel:
 
     def forward(self, k: int) -> float:
         """The verifier's measured forward over k + 1 tokens beside ``other_rows`` others (0 without a curve)."""
-        return extend_curve(self.forward_curve, k + self.other_rows) if self.forward_curve else 0.0
+        return self.pass_forward(k + 1 + self.other_rows)
 
     def pass_forward(self, tokens: float) -> float:
         """The verifier's measured forward over ``tokens`` tokens in all (0 without a curve)."""
