@@ -131,6 +131,82 @@ def test_other_llama_family_shapes_match_transformers(kind):
     check_ragged(model, lean, random.Random(3))
 
 
+@pytest.mark.parametrize("kind", ["tiny", "qwen2", "llama_tied_llama3_rope"])
+def test_single_session_numpy_passes_share_the_cache_with_batched_torch_passes(kind, tiny_hf):
+    """On CPU a single session's pass runs ``NumpyPass`` (activations in numpy) and a pass of several
+    sessions the torch forward, on the same KV buffers: one session decodes token by token and in
+    blocks, rolls back, and joins a two-session pass (which reads the keys the numpy passes wrote)
+    and goes on alone (reading the keys the torch pass wrote)."""
+    model = tiny_hf if kind == "tiny" else built_hf(kind)
+    lean = LeanModel.from_hf(model)
+    assert lean.numpy_pass is not None
+    single = []
+    original = lean.numpy_pass.run
+    lean.numpy_pass.run = lambda kv, tokens, *rest: single.append(len(tokens)) or original(kv, tokens, *rest)
+    rng = random.Random(5)
+    vocab = model.config.vocab_size
+    kv, tokens = lean.new_kv(), [rng.randrange(vocab) for _ in range(7)]
+    other, other_tokens = lean.new_kv(), [rng.randrange(vocab) for _ in range(3)]
+    worst = float((lean.forward([kv], [tokens], [2]) - reference_logits(model, tokens, 2)).abs().max())
+    for step in range(12):
+        if step == 5:
+            del tokens[-3:]
+            kv.crop(len(tokens))
+        tokens.extend(rng.randrange(vocab) for _ in range(4 if step in (5, 9) else 1))
+        feed = tokens[kv.length :]
+        if step == 7:  # both sessions in one torch pass
+            logits = lean.forward([kv, other], [feed, other_tokens], [1, 2])
+            worst = max(worst, float((logits[:1] - reference_logits(model, tokens, 1)).abs().max()),
+                        float((logits[1:] - reference_logits(model, other_tokens, 2)).abs().max()))
+        else:
+            got = lean.forward([kv], [feed], [len(feed)])
+            worst = max(worst, float((got - reference_logits(model, tokens, len(feed))).abs().max()))
+        assert kv.length == len(tokens)
+    assert sorted(single) == [1] * 9 + [4, 4, 7]
+    assert worst <= TOLERANCE, worst
+
+
+def test_a_single_session_pass_that_fails_leaves_the_session(tiny_hf, monkeypatch):
+    """A bad token id (numpy would wrap a negative one round) or a product failing mid-pass: the
+    session keeps its length, and its next pass is right."""
+    lean = LeanModel.from_hf(tiny_hf, backend="numpy")
+    kv = lean.new_kv()
+    lean.forward([kv], [[4, 8, 15]], [1])
+    for bad in ([-1], [3, tiny_hf.config.vocab_size]):
+        with pytest.raises(IndexError):
+            lean.forward([kv], [bad], [1])
+        assert kv.length == 3
+    calls = []
+
+    def failing(x, handle):  # the second layer's first product, after the first layer wrote its keys
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("out of memory")
+        return np_matmul(x, handle)
+
+    from numpy import matmul as np_matmul
+
+    backend = lean.plan.backend(2)
+    monkeypatch.setattr(backend, "mm_numpy", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        lean.forward([kv], [[1, 2]], [2])
+    monkeypatch.undo()
+    assert kv.length == 3
+    got = lean.forward([kv], [[16]], [1])
+    assert float((got - reference_logits(tiny_hf, [4, 8, 15, 16], 1)).abs().max()) <= TOLERANCE
+
+
+def test_a_reduced_head_reaches_the_numpy_pass(tiny_hf):
+    lean = LeanModel.from_hf(tiny_hf)
+    ids = torch.arange(0, lean.logits_width, 3)
+    lean.restrict_head(ids)
+    kv = lean.new_kv()
+    lean.forward([kv], [[5, 9, 11]], [1])
+    got = lean.forward([kv], [[3]], [1])
+    assert torch.isinf(got[:, 1]).all()
+    assert float((got[:, ids] - reference_logits(tiny_hf, [5, 9, 11, 3], 1)[:, ids]).abs().max()) <= TOLERANCE
+
+
 def test_the_hf_model_shares_the_fused_weights(tiny_hf):
     """transformers' parameters become views of the fused tensors: one copy, same logits."""
     lean = LeanModel.from_hf(tiny_hf)
@@ -312,3 +388,23 @@ def test_the_table_counts_each_timed_product_for_every_weight_of_its_shape(tiny_
     weights = model.plan._weights
     assert weights[tuple(model.head.weight.shape)] == 1
     assert all(weights[tuple(lin.weight.shape)] == layers for lin in model.layers[0][1:])
+
+
+def test_onednn_sums_long_products_from_blocks():
+    """Products over more than K_BLOCK inputs run as blocks (oneDNN rounds long sums worse): the
+    blocked product is still x @ W.T, on one row and several."""
+    from specdec.lean.matmul import MkldnnBackend
+
+    backend = available_backends(torch.device("cpu"))["mkldnn"]
+    torch.manual_seed(0)
+    weight = torch.randn(40, 2 * MkldnnBackend.K_BLOCK + 5)
+    handle = backend.prepare(weight)
+    sizes = [stop - start for start, stop, _ in handle]
+    assert len(sizes) == 3 and sum(sizes) == weight.shape[1] and max(sizes) - min(sizes) <= 1
+    assert [start for start, _, _ in handle] == [0, sizes[0], sizes[0] + sizes[1]]
+    for rows in (1, 3, 16):
+        x = torch.randn(rows, weight.shape[1])
+        exact = x.double() @ weight.double().T
+        assert float((backend.mm(x, handle).double() - exact).abs().max()) <= 1e-3
+    short = backend.prepare(weight[:, : MkldnnBackend.K_BLOCK].contiguous())
+    assert not isinstance(short, list)

@@ -6,6 +6,8 @@ Qwen2), on the same Hugging Face weights as transformers' model, which stays the
   measured at load that picks one per row count, and the thread regime each needs
 - ``kv``: ``LeanKV``, a session's keys/values in one preallocated buffer, O(1) rollback
 - ``forward``: ``LeanModel.forward`` over one or several sessions' new tokens in one pass
+- ``numpy_pass``: a single session's pass on CPU with its activations in numpy (per-op cost), the
+  products still through the table's backend; several sessions, or a GPU, take the torch forward
 """
 
 from specdec.lean.forward import LeanModel

@@ -1,5 +1,9 @@
 """The lean forward of a Llama-family causal LM over one or several sessions' new tokens.
 
+On CPU a pass of one session runs ``NumpyPass`` (the same math with its activations in numpy,
+where a small op costs ~1 us instead of torch's ~5-30); what follows is the torch forward, which
+runs passes of several sessions and every pass on a GPU.
+
 One pass packs every session's new tokens into one sequence of T rows (each at its own
 positions): embedding, then per layer RMSNorm -> fused QKV product -> RoPE on q and k together ->
 the new keys/values written into each session's ``LeanKV`` -> one attention call -> O product ->
@@ -26,6 +30,7 @@ import torch.nn.functional as F
 
 from specdec.lean.kv import LeanKV
 from specdec.lean.matmul import BUCKETS, Linear, MatmulPlan
+from specdec.lean.numpy_pass import NumpyPass
 from specdec.lean.weights import LeanWeights
 
 log = logging.getLogger(__name__)
@@ -53,6 +58,9 @@ class LeanModel:
         self.plan = MatmulPlan(linears, self.device, backend=backend, buckets=buckets, reps=reps,
                                timed=self._timed_subset(timed_bytes), table_dir=table_dir)
         self._inv_freq = weights.inv_freq.to(self.device)
+        # On CPU a single session's pass keeps its activations in numpy (numpy_pass: per-op cost).
+        self.numpy_pass = (NumpyPass(weights, self.layers, self.head)
+                           if self.device.type == "cpu" and self.dtype == torch.float32 else None)
 
     @classmethod
     def from_hf(cls, model, **options) -> LeanModel:
@@ -84,6 +92,8 @@ class LeanModel:
         self.head_ids = token_ids.to(self.device)
         self.head = Linear(self.w.head[self.head_ids].contiguous())
         self.plan.prepare(self.head)
+        if self.numpy_pass is not None:
+            self.numpy_pass.head = self.head
 
     @torch.inference_mode()
     def forward(self, kvs: Sequence[LeanKV], feeds: Sequence[Sequence[int]], num_logits: Sequence[int]) -> torch.Tensor:
@@ -98,6 +108,11 @@ class LeanModel:
             raise ValueError("every session needs at least one token fed and 1..fed logits")
         if len({id(kv) for kv in kvs}) != len(kvs):
             raise ValueError("a session appears twice in one pass")
+        if self.numpy_pass is not None and len(kvs) == 1:
+            backend = self.plan.backend(fed[0])
+            with self.plan.regime(backend):
+                logits = self.numpy_pass.run(kvs[0], feeds[0], num_logits[0], backend)
+            return self._full_width(torch.from_numpy(logits))
         total = sum(fed)
         device = self.device
         ids = torch.tensor([token for feed in feeds for token in feed], dtype=torch.long, device=device)
@@ -136,11 +151,15 @@ class LeanModel:
             logits = backend.mm(h, self.head.handles[backend.name]).float()
         for kv, p, n in zip(kvs, pasts, fed):  # the pass succeeded: every session now holds its feed
             kv.length = p + n
-        if self.head_ids is not None:
-            full = torch.full((logits.shape[0], self.logits_width), -torch.inf, device=logits.device)
-            full[:, self.head_ids] = logits
-            logits = full
-        return logits.cpu()
+        return self._full_width(logits).cpu()
+
+    def _full_width(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary: a reduced head's rows in place, -inf elsewhere."""
+        if self.head_ids is None:
+            return logits
+        full = torch.full((logits.shape[0], self.logits_width), -torch.inf, device=logits.device)
+        full[:, self.head_ids] = logits
+        return full
 
     def _mask(self, pasts, fed, starts) -> torch.Tensor | None:
         """Bool [G * T, S] (True: attend), rows ordered (group, token); None when every row sees
