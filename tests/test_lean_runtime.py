@@ -408,3 +408,17 @@ def test_onednn_sums_long_products_from_blocks():
         assert float((backend.mm(x, handle).double() - exact).abs().max()) <= 1e-3
     short = backend.prepare(weight[:, : MkldnnBackend.K_BLOCK].contiguous())
     assert not isinstance(short, list)
+
+
+def test_a_plan_never_mixes_threading_runtimes():
+    """OpenBLAS's spinning workers starve the next OpenMP pass (and the reverse): the plan takes one
+    runtime's best backend per bucket, the runtime whose buckets sum least; MKL and oneDNN share one."""
+    from specdec.lean.matmul import choose_backends
+
+    backends = available_backends(torch.device("cpu"))
+    table = {1: {"torch": 30.0, "mkldnn": 15.0, "numpy": 14.0}, 2: {"torch": 70.0, "mkldnn": 16.0, "numpy": 38.0},
+             8: {"torch": 45.0, "mkldnn": 18.0, "numpy": 37.0}, 64: {"torch": 90.0, "mkldnn": 95.0, "numpy": 120.0}}
+    assert choose_backends(table, backends) == {1: "mkldnn", 2: "mkldnn", 8: "mkldnn", 64: "torch"}
+    for row in table.values():
+        row["numpy"] = 10.0
+    assert choose_backends(table, backends) == {1: "numpy", 2: "numpy", 8: "numpy", 64: "numpy"}

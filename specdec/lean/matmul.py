@@ -1,16 +1,18 @@
 """Matrix-product backends for the lean runtime, and the table that picks one per row count.
 
 On these CPUs the BLAS behind a product matters more than anything else in a forward
-(docs/benchmarks.md, REFERENCES §9): torch's MKL, oneDNN with weights packed once
-(``Tensor.to_mkldnn``) and numpy's OpenBLAS (on the same memory: ``Tensor.numpy()`` and
-``torch.from_numpy`` copy nothing) each win at some row counts. So the runtime measures them at
-load, on the model's own shapes (every layer's fused QKV, O, fused gate/up and down products plus
-the LM head, 30 distinct weight sets, so nothing sits in cache), per row-count bucket, logs the
-table, and each forward uses the fastest for its row count. A GPU has one backend (torch).
+(docs/benchmarks.md, REFERENCES §9): torch's MKL, oneDNN with weights packed once into its blocked
+layout and numpy's OpenBLAS (on the same memory: ``Tensor.numpy()`` and ``torch.from_numpy`` copy
+nothing) each win at some row counts. So the runtime measures them at load, on the model's own
+shapes (every layer's fused QKV, O, fused gate/up and down products plus the LM head, 30 distinct
+weight sets, so nothing sits in cache), per row-count bucket, logs the table, and each forward
+uses the fastest of one threading runtime for its row count. A GPU has one backend (torch).
 
 Threads: torch's OpenMP workers spin after each op and starve OpenBLAS's threads (a forward ran
-10x slower with both on 2 threads), so while numpy multiplies, torch runs on one thread and
-OpenBLAS gets torch's thread count (``ThreadRegime``). One threading runtime owns the cores at a time.
+10x slower with both on 2 threads), and OpenBLAS's workers spin after a product and starve the
+next OpenMP pass as badly. So while numpy multiplies, torch runs on one thread and OpenBLAS gets
+torch's thread count (``ThreadRegime``), and a plan never mixes the two runtimes across its row
+counts (``choose_backends``): one threading runtime owns the cores.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Backend:
 
     name = "torch"
     owns_threads = False  # True: torch must run on one thread while this backend multiplies
+    layout = "dense"  # how prepare() lays a weight out: part of a kept table's key (a new layout measures again)
 
     def prepare(self, weight: torch.Tensor):
         return weight
@@ -69,15 +72,25 @@ class MkldnnBackend(Backend):
 
     name = "mkldnn"
     K_BLOCK = 768
+    # The weight goes into the blocked layout oneDNN picks for this many rows (inductor's packing):
+    # products of 1-8 rows took 15-17 ms for the embedded target's weights against 19-24 ms in the
+    # plain layout (docs/benchmarks.md).
+    PACKED_FOR_ROWS = 4
+    layout = f"packed for {PACKED_FOR_ROWS} rows, {K_BLOCK}-input blocks"
 
     def prepare(self, weight: torch.Tensor):
         inputs = weight.shape[1]
         blocks = -(-inputs // self.K_BLOCK)
         if blocks == 1:
-            return weight.to_mkldnn()
+            return self._pack(weight)
         bounds = [inputs * i // blocks for i in range(blocks + 1)]
-        return [(start, stop, weight[:, start:stop].contiguous().to_mkldnn())
+        return [(start, stop, self._pack(weight[:, start:stop].contiguous()))
                 for start, stop in zip(bounds, bounds[1:])]
+
+    def _pack(self, weight: torch.Tensor):
+        if _REORDER_LINEAR_WEIGHT is not None and _DENSE_IO_LINEAR is not None:
+            return _REORDER_LINEAR_WEIGHT(weight, self.PACKED_FOR_ROWS)
+        return weight.to_mkldnn()
 
     def mm(self, x: torch.Tensor, handle) -> torch.Tensor:
         if isinstance(handle, list):
@@ -96,6 +109,7 @@ class MkldnnBackend(Backend):
 
 
 _DENSE_IO_LINEAR = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+_REORDER_LINEAR_WEIGHT = getattr(getattr(torch.ops, "mkldnn", None), "_reorder_linear_weight", None)
 
 
 class NumpyBackend(Backend):
@@ -224,6 +238,21 @@ def bucket_of(rows: int, buckets=BUCKETS) -> int:
     return buckets[-1]
 
 
+def choose_backends(table: dict[int, dict[str, float]], backends: dict[str, Backend]) -> dict[int, str]:
+    """The backend per bucket: the fastest of one threading runtime for every bucket (OpenBLAS's own
+    threads, or torch's OpenMP pool, which MKL and oneDNN share), the runtime whose buckets sum least.
+
+    Never both: a pass right after one on the other runtime finds the other's worker threads still
+    spinning on the cores. Alternating one-token passes on OpenBLAS with three-token passes on oneDNN,
+    as a verifier does between plain and speculative rounds, took 61-115 ms per three-token pass
+    against 20-21 ms with every pass on oneDNN (docs/benchmarks.md), while each alone looked fastest."""
+    runtimes: dict[bool, list[str]] = {}
+    for name, backend in backends.items():
+        runtimes.setdefault(backend.owns_threads, []).append(name)
+    plans = [{bucket: min(names, key=row.__getitem__) for bucket, row in table.items()} for names in runtimes.values()]
+    return min(plans, key=lambda plan: sum(table[bucket][name] for bucket, name in plan.items()))
+
+
 class MatmulPlan:
     """The backend per row-count bucket, measured at load (or forced by name / ``$SPECDEC_LEAN_BACKEND``)."""
 
@@ -262,7 +291,7 @@ class MatmulPlan:
             self.table_file = None if table_dir is None else Path(table_dir) / f"{self.table_key()}.json"
             self.table = self._load_table() or self.measure(reps)
             self._save_table()
-            self.choice = {bucket: min(row, key=row.get) for bucket, row in self.table.items()}
+            self.choice = choose_backends(self.table, self.backends)
             for name in set(self.backends) - set(self.choice.values()):  # unused: free its packed copies
                 for linear in linears:
                     linear.drop(name)
@@ -358,7 +387,7 @@ class MatmulPlan:
         shapes = [(tuple(linear.weight.shape), str(linear.weight.dtype)) for linear in self.timed]
         parts = [cpu, os.cpu_count(), torch.__version__, numpy.__version__, torch.get_num_threads(),
                  sorted(self.backends), self.buckets, shapes, len(self.linears),
-                 os.environ.get("OPENBLAS_CORETYPE", "")]
+                 os.environ.get("OPENBLAS_CORETYPE", ""), [backend.layout for backend in self.backends.values()]]
         return hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
 
     def _load_table(self) -> dict[int, dict[str, float]] | None:
