@@ -58,6 +58,20 @@ def expected_tokens(k: int, alpha: float) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def alpha_for_tokens(k: int, tokens_per_round: float) -> float:
+    """The per-position acceptance at which ``expected_tokens(k, alpha)`` equals ``tokens_per_round``
+    (clamped to [0, 1]; ``expected_tokens`` rises with alpha, so bisection finds it)."""
+    if k < 1 or tokens_per_round <= 1.0:
+        return 0.0
+    if tokens_per_round >= k + 1:
+        return 1.0
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if expected_tokens(k, middle) < tokens_per_round else (low, middle)
+    return (low + high) / 2
+
+
 def speedup_bound_from_rounds(round_s: Sequence[float], plain_round_s: float, alpha: float | None = None,
                               alphas: Sequence[float] | None = None,
                               tokens_per_round: Sequence[float] | None = None,

@@ -91,6 +91,14 @@ def test_expected_tokens():
     assert speedup.conditional_alphas([0.8, 0.4, 0.2]) == pytest.approx([0.8, 0.5, 0.5])
 
 
+def test_alpha_for_tokens_inverts_expected_tokens():
+    for k in (1, 2, 5):
+        for alpha in (0.05, 0.3, 0.62, 0.97):
+            assert speedup.alpha_for_tokens(k, speedup.expected_tokens(k, alpha)) == pytest.approx(alpha, abs=1e-9)
+    assert speedup.alpha_for_tokens(3, 1.0) == 0.0 and speedup.alpha_for_tokens(3, 4.0) == 1.0
+    assert speedup.alpha_for_tokens(0, 1.5) == 0.0
+
+
 def classic_bound(t_verify, t_draft, alpha=None, alphas=None):
     """The textbook bound, max_k E[tokens](k) t_verify(0) / (k t_draft + t_verify(k)): the round-cost
     bound with t_round(k) = t_verify(k) + k t_draft and t_plain = t_verify(0)."""
@@ -348,7 +356,11 @@ def test_parse_systems():
         ("gateway", "auto", 0), ("gateway", "auto", 4), ("gateway", "none", 0), ("local", "auto", 0)]
     assert specs[5].assisted and specs[4].kind == "hf"
     assert runners.parse_systems("spec", local=True)[0].kind == "local"
-    for bad in ("warp", "spec-k=0", "spec,spec"):
+    fixed = runners.parse_systems("spec-k=3-ahead,spec-k=3-noahead,spec-k=3", local=False)
+    assert [(s.num_draft_tokens, s.draft_ahead) for s in fixed] == [(3, True), (3, False), (3, None)]
+    with pytest.raises(ValueError, match="needs a gateway"):
+        runners.parse_systems("spec-k=3-ahead", local=True)
+    for bad in ("warp", "spec-k=0", "spec,spec", "spec-k=2-sideways"):
         with pytest.raises(ValueError, match="--systems"):
             runners.parse_systems(bad, local=False)
 
@@ -509,10 +521,10 @@ def test_bench_up_tiny(tiny_pair, prompt_file, tmp_path):
     out = tmp_path / "out"
     rc = cli_main(["--log-level", "WARNING", "bench", "--up", "--target", str(target), "--draft-model", str(draft),
                    "--net-delay", "3", "--prompts", str(prompt_file), "--limit", "3", "--max-new-tokens", "16",
-                   "--systems", "spec,spec-k=2,baseline,spec-ahead,spec-noahead", "--concurrency", "2",
+                   "--systems", "spec,spec-k=2,baseline,spec-ahead,spec-noahead,spec-k=2-ahead", "--concurrency", "2",
                    "--out", str(out), "--no-progress"])
     assert rc == 0
-    summary = _check_outputs(out, ["spec", "spec-k=2", "baseline", "spec-ahead", "spec-noahead"])
+    summary = _check_outputs(out, ["spec", "spec-k=2", "baseline", "spec-ahead", "spec-noahead", "spec-k=2-ahead"])
     assert summary["config"]["net_delay_injected"] is True and summary["config"]["net_delay_ms"] == 3
     assert summary["systems"]["spec-ahead"]["ahead_blocks"] > 0
     assert summary["systems"]["spec-noahead"]["ahead_blocks"] == 0
@@ -527,6 +539,62 @@ def test_bench_up_tiny(tiny_pair, prompt_file, tmp_path):
     assert split["one_way_delay_s"] == pytest.approx(0.003) and split["baseline_tokens_per_s"] > 0
     assert split["ahead_tokens_per_s"] > 0 and split["noahead_tokens_per_s"] > 0
     assert "Split model" in (out / "report.md").read_text()
+    # Each fixed-k system and the baseline get the model's own prediction beside their measurement.
+    fixed = split["fixed_k"]
+    assert set(fixed) == {"spec-k=2", "spec-k=2-ahead", "baseline"}
+    assert fixed["spec-k=2-ahead"]["ahead"] and not fixed["spec-k=2"]["ahead"] and fixed["spec-k=2"]["k"] == 2
+    assert summary["systems"]["spec-k=2-ahead"]["ahead_blocks"] > 0
+    for row in fixed.values():
+        assert row["predicted_tokens_per_s"] > 0
+        assert row["measured_over_predicted"] == pytest.approx(row["measured_tokens_per_s"] / row["predicted_tokens_per_s"])
+    assert "| spec-k=2-ahead | 2 | on |" in (out / "report.md").read_text()
+
+
+def test_a_bench_stopped_by_sigterm_stops_the_stack_it_started(tiny_pair, prompt_file, tmp_path):
+    """``bench --up`` starts ``specdec up`` in a session of its own; a SIGTERM to the bench (a job
+    killed, a CI timeout) must still stop that stack rather than orphan three services."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from specdec.stack import service_pids
+
+    _, target, draft = tiny_pair
+    bench = subprocess.Popen([sys.executable, "-m", "specdec.cli", "--log-level", "WARNING", "bench", "--up",
+                              "--target", str(target), "--draft-model", str(draft), "--prompts", str(prompt_file),
+                              "--limit", "3", "--max-new-tokens", "2000", "--rounds", "1", "--systems", "spec",
+                              "--out", str(tmp_path / "out"), "--no-progress"])
+
+    def up_pid():
+        for task in Path(f"/proc/{bench.pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                if b"up" in Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0"):
+                    return int(child)
+        return None
+
+    deadline = time.monotonic() + 240
+    services = {}
+    while len(services) < 3 and time.monotonic() < deadline and bench.poll() is None:
+        time.sleep(0.5)
+        pid = up_pid()
+        services = service_pids(pid) if pid else {}
+    assert len(services) == 3, services
+    up = up_pid()
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(120) != 0
+    for pid in [up, *services.values()]:
+        for _ in range(120):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.5)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"process {pid} outlived the bench")
 
 
 def test_bench_concurrency_sweep_up_tiny(tiny_pair, prompt_file, tmp_path):

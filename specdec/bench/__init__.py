@@ -7,6 +7,8 @@ Runs prompt sets (MT-bench, HumanEval, or JSONL files in either format) through 
 - ``spec-k=N``: the gateway with a fixed draft length N;
 - ``spec-ahead`` / ``spec-noahead``: ``spec`` with draft-ahead forced on / off for the request
   (``spec`` takes the gateway's ``--draft-ahead`` default);
+- ``spec-k=N-ahead`` / ``spec-k=N-noahead``: fixed N with draft-ahead forced on / off (what the split
+  model, ``specdec sim --split``, predicts; the report sets its prediction beside each);
 - ``baseline``: the same stack with ``method=none`` (plain decoding);
 - ``inprocess``: the core loop without gRPC (``specdec.local.LocalEngine``, adaptive k);
 - ``hf``: transformers ``generate`` on the target alone;

@@ -9,6 +9,8 @@ import json
 import logging
 import math
 import os
+import re
+import signal
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -187,7 +189,40 @@ def split_prediction(summary: dict) -> dict | None:
     except (ValueError, KeyError, TypeError):
         return None
     delay = split.injected_delay_s(summary["config"])
-    return {"alpha": alpha, "one_way_delay_s": delay, **split.predict(costs, alpha, [delay])[0]}
+    return {"alpha": alpha, "one_way_delay_s": delay, **split.predict(costs, alpha, [delay])[0],
+            "fixed_k": fixed_k_predictions(summary, costs, delay)}
+
+
+def fixed_k_predictions(summary: dict, costs, delay: float) -> dict:
+    """The split model's tokens/s for each measured fixed-k system (spec-k=N, spec-k=N-ahead,
+    spec-k=N-noahead) beside its measurement: the model's timing checked on its own terms. Its
+    acceptance is the one that gives the measured tokens per round at that k (from the run of the
+    same k without draft-ahead where there is one: an ahead round's count is the same rounds')."""
+    from specdec import split
+    from specdec.speedup import alpha_for_tokens
+
+    systems = summary.get("systems") or {}
+    out = {}
+    for name, system in systems.items():
+        m = re.fullmatch(r"spec-k=(\d+)(-ahead|-noahead)?", name)
+        if not m or not system.get("tokens_per_s"):
+            continue
+        k = int(m.group(1))
+        ahead = m.group(2) == "-ahead" if m.group(2) else bool(summary["config"].get("draft_ahead_default"))
+        source = systems.get(f"spec-k={k}-noahead") or system
+        if not source.get("mean_accepted_length"):
+            continue
+        alpha = alpha_for_tokens(k, source["mean_accepted_length"])
+        predicted = split.tokens_per_s(costs, k, delay, alpha, ahead)
+        out[name] = {"k": k, "ahead": ahead, "alpha": alpha, "predicted_tokens_per_s": predicted,
+                     "measured_tokens_per_s": system["tokens_per_s"],
+                     "measured_over_predicted": system["tokens_per_s"] / predicted if predicted else None}
+    if (base := systems.get("baseline")) and base.get("tokens_per_s"):
+        predicted = split.tokens_per_s(costs, 0, delay, 0.0, False)
+        out["baseline"] = {"k": 0, "ahead": False, "alpha": None, "predicted_tokens_per_s": predicted,
+                           "measured_tokens_per_s": base["tokens_per_s"],
+                           "measured_over_predicted": base["tokens_per_s"] / predicted if predicted else None}
+    return out
 
 
 def machine_partition_config(args, stack) -> dict | None:
@@ -430,8 +465,22 @@ def run_sweep(args) -> dict:
     return sweep
 
 
+def _stop_on_sigterm(signum, frame) -> None:
+    # A bench stopped by SIGTERM unwinds like Ctrl-C, so a stack it started (``--up``, in a session of
+    # its own, which a signal to the bench does not reach) is stopped by the ``finally`` that owns it.
+    raise SystemExit(128 + signum)
+
+
 def main(args) -> int:
     """The ``specdec bench`` entry point (``args`` from ``add_arguments``)."""
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
+        return _main(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args) -> int:
     from specdec.models import ModelLoadError
 
     try:

@@ -189,13 +189,20 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def spec_reference(summaries: dict) -> str | None:
-    """The speculative system whose acceptance feeds the bound: spec, else inprocess, else a spec-k,
-    else spec-noahead, else spec-ahead."""
+    """The speculative system whose acceptance and round costs feed the bound: spec, else inprocess,
+    else a spec-k=N, else one without draft-ahead (spec-k=N-noahead, spec-noahead), else one with it
+    (whose drafter's time is partly hidden behind the verifier's)."""
     for name in ("spec", "inprocess"):
         if name in summaries:
             return name
-    fixed = next((n for n in summaries if n.startswith("spec-k=")), None)
-    return fixed or next((n for n in ("spec-noahead", "spec-ahead") if n in summaries), None)
+    for suffix in ("", "-noahead", "-ahead"):
+        fixed = next((n for n in summaries if n.startswith("spec-k=") and n.endswith(suffix)
+                      and n.count("-") == 1 + bool(suffix)), None)
+        if fixed:
+            return fixed
+        if suffix and f"spec{suffix}" in summaries:
+            return f"spec{suffix}"
+    return None
 
 
 def compute_speedups(summaries: dict) -> dict:

@@ -148,6 +148,13 @@ def render_report(summary: dict) -> str:
                   f"draft-ahead {fmt(split['noahead_tokens_per_s'])} at k = {split['noahead_k']} (spec-noahead measured "
                   f"{measured('spec-noahead')}), with draft-ahead {fmt(split['ahead_tokens_per_s'])} at k = {split['ahead_k']} "
                   f"(spec-ahead measured {measured('spec-ahead')}); decoding only, acceptance independent per token."]
+        if split.get("fixed_k"):
+            lines += ["", "| system | k | draft-ahead | acceptance (from its tokens per round) | predicted tok/s "
+                      "| measured tok/s | measured / predicted |", "|---|---:|---|---:|---:|---:|---:|"]
+            for name, row in split["fixed_k"].items():
+                lines.append(f"| {name} | {row['k']} | {'on' if row['ahead'] else 'off'} | {fmt(row['alpha'], digits=3)} "
+                             f"| {fmt(row['predicted_tokens_per_s'])} | {fmt(row['measured_tokens_per_s'])} "
+                             f"| {fmt(row['measured_over_predicted'], digits=3)} |")
     lines.append("")
     if bound.get("note"):
         lines += [f"Note: {bound['note']}", ""]

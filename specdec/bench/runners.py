@@ -7,7 +7,8 @@ import re
 import time
 from dataclasses import dataclass, field
 
-SYSTEM_KINDS = ("spec", "spec-k=N", "spec-ahead", "spec-noahead", "baseline", "inprocess", "hf", "hf-assisted")
+SYSTEM_KINDS = ("spec", "spec-k=N", "spec-k=N-ahead", "spec-k=N-noahead", "spec-ahead", "spec-noahead", "baseline",
+                "inprocess", "hf", "hf-assisted")
 DEFAULT_GATEWAY_SYSTEMS = "spec,baseline"
 DEFAULT_LOCAL_SYSTEMS = "inprocess,baseline,hf"
 
@@ -29,11 +30,13 @@ def parse_systems(text: str, local: bool) -> list[SystemSpec]:
     for name in [s.strip() for s in text.split(",") if s.strip()]:
         if name == "spec":
             spec = SystemSpec(name, stack, "auto", 0)
-        elif m := re.fullmatch(r"spec-k=(\d+)", name):
+        elif m := re.fullmatch(r"spec-k=(\d+)(-ahead|-noahead)?", name):
             k = int(m.group(1))
             if k < 1:
                 raise ValueError("--systems: spec-k=N needs N >= 1")
-            spec = SystemSpec(name, stack, "auto", k)
+            if m.group(2) and local:
+                raise ValueError(f"--systems: {name} needs a gateway (draft-ahead overlaps separate services)")
+            spec = SystemSpec(name, stack, "auto", k, draft_ahead=None if not m.group(2) else m.group(2) == "-ahead")
         elif name in ("spec-ahead", "spec-noahead"):
             if local:
                 raise ValueError(f"--systems: {name} needs a gateway (draft-ahead overlaps separate services)")
