@@ -70,6 +70,9 @@ def test_summarize_records_throughput_and_latency():
     assert s["tpot_p50_s"] == pytest.approx(0.1)
     assert s["itl_mean_s"] == pytest.approx(0.1)  # 5 samples of 0.09, 4 of 0.1125
     assert s["acceptance_rate"] is None
+    assert s["steady_tokens_per_s"] == pytest.approx(9 / 0.9)  # after the first token
+    second = metrics.RequestRecord("s", "3", "a", "x", 1, 2.0, latency_s=2.2, ttft_s=0.2, output_tokens=21)
+    assert metrics.steady_tokens_per_s([records[0], second]) == pytest.approx((9 + 20) / (0.9 + 2.0))
 
 
 def test_position_counts_from_final_stats():

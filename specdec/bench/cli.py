@@ -195,9 +195,10 @@ def split_prediction(summary: dict) -> dict | None:
 
 def fixed_k_predictions(summary: dict, costs, delay: float) -> dict:
     """The split model's tokens/s for each measured fixed-k system (spec-k=N, spec-k=N-ahead,
-    spec-k=N-noahead) beside its measurement: the model's timing checked on its own terms. Its
-    acceptance is the one that gives the measured tokens per round at that k (from the run of the
-    same k without draft-ahead where there is one: an ahead round's count is the same rounds')."""
+    spec-k=N-noahead) and the baseline beside its measured steady rate (after the first token: the
+    model leaves prefill out): the model's timing checked on its own terms. Its acceptance is the one
+    that gives the measured tokens per round at that k (from the run of the same k without
+    draft-ahead where there is one: an ahead round's count is the same rounds')."""
     from specdec import split
     from specdec.speedup import alpha_for_tokens
 
@@ -205,7 +206,7 @@ def fixed_k_predictions(summary: dict, costs, delay: float) -> dict:
     out = {}
     for name, system in systems.items():
         m = re.fullmatch(r"spec-k=(\d+)(-ahead|-noahead)?", name)
-        if not m or not system.get("tokens_per_s"):
+        if not m or not system.get("steady_tokens_per_s"):
             continue
         k = int(m.group(1))
         ahead = m.group(2) == "-ahead" if m.group(2) else bool(summary["config"].get("draft_ahead_default"))
@@ -215,13 +216,13 @@ def fixed_k_predictions(summary: dict, costs, delay: float) -> dict:
         alpha = alpha_for_tokens(k, source["mean_accepted_length"])
         predicted = split.tokens_per_s(costs, k, delay, alpha, ahead)
         out[name] = {"k": k, "ahead": ahead, "alpha": alpha, "predicted_tokens_per_s": predicted,
-                     "measured_tokens_per_s": system["tokens_per_s"],
-                     "measured_over_predicted": system["tokens_per_s"] / predicted if predicted else None}
-    if (base := systems.get("baseline")) and base.get("tokens_per_s"):
+                     "measured_tokens_per_s": system["steady_tokens_per_s"],
+                     "measured_over_predicted": system["steady_tokens_per_s"] / predicted if predicted else None}
+    if (base := systems.get("baseline")) and base.get("steady_tokens_per_s"):
         predicted = split.tokens_per_s(costs, 0, delay, 0.0, False)
         out["baseline"] = {"k": 0, "ahead": False, "alpha": None, "predicted_tokens_per_s": predicted,
-                           "measured_tokens_per_s": base["tokens_per_s"],
-                           "measured_over_predicted": base["tokens_per_s"] / predicted if predicted else None}
+                           "measured_tokens_per_s": base["steady_tokens_per_s"],
+                           "measured_over_predicted": base["steady_tokens_per_s"] / predicted if predicted else None}
     return out
 
 

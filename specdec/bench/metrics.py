@@ -113,6 +113,14 @@ def output_tokens_per_s(records: Sequence[RequestRecord], duration_s: float) -> 
     return tokens / duration_s if duration_s > 0 else 0.0
 
 
+def steady_tokens_per_s(records: Sequence[RequestRecord]) -> float | None:
+    """Tokens after each request's first over the time after its first token, summed over requests."""
+    pairs = [(r.output_tokens - 1, r.latency_s - r.ttft_s) for r in records
+             if r.ttft_s is not None and r.output_tokens > 1 and r.latency_s > r.ttft_s]
+    seconds = sum(s for _, s in pairs)
+    return sum(n for n, _ in pairs) / seconds if seconds > 0 else None
+
+
 def summarize_records(records: Sequence[RequestRecord], duration_s: float) -> dict:
     ok = [r for r in records if r.error is None]
     tokens = sum(r.output_tokens for r in ok)
@@ -130,6 +138,8 @@ def summarize_records(records: Sequence[RequestRecord], duration_s: float) -> di
         "requests_per_s": len(ok) / duration_s if duration_s > 0 else 0.0,
         # Per request: tokens over its own latency (unaffected by queueing between requests).
         "decode_tokens_per_s": tokens / sum(latencies) if latencies and sum(latencies) > 0 else 0.0,
+        # After the first token (prefill and TTFT excluded): the steady rate a round model predicts.
+        "steady_tokens_per_s": steady_tokens_per_s(ok),
     }
     for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("latency", latencies)):
         for stat, value in distribution(values).items():

@@ -150,7 +150,7 @@ def render_report(summary: dict) -> str:
                   f"(spec-ahead measured {measured('spec-ahead')}); decoding only, acceptance independent per token."]
         if split.get("fixed_k"):
             lines += ["", "| system | k | draft-ahead | acceptance (from its tokens per round) | predicted tok/s "
-                      "| measured tok/s | measured / predicted |", "|---|---:|---|---:|---:|---:|---:|"]
+                      "| measured tok/s after the first token | measured / predicted |", "|---|---:|---|---:|---:|---:|---:|"]
             for name, row in split["fixed_k"].items():
                 lines.append(f"| {name} | {row['k']} | {'on' if row['ahead'] else 'off'} | {fmt(row['alpha'], digits=3)} "
                              f"| {fmt(row['predicted_tokens_per_s'])} | {fmt(row['measured_tokens_per_s'])} "
