@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 SYSTEM_KINDS = ("spec", "spec-k=N", "spec-k=N-ahead", "spec-k=N-noahead", "spec-ahead", "spec-noahead", "baseline",
                 "inprocess", "hf", "hf-assisted")
+# spec-k=N, spec-k=N-ahead, spec-k=N-noahead: a fixed draft length, draft-ahead as the gateway's default / on / off.
+FIXED_K_SYSTEM = re.compile(r"spec-k=(\d+)(-ahead|-noahead)?")
 DEFAULT_GATEWAY_SYSTEMS = "spec,baseline"
 DEFAULT_LOCAL_SYSTEMS = "inprocess,baseline,hf"
 
@@ -30,7 +32,7 @@ def parse_systems(text: str, local: bool) -> list[SystemSpec]:
     for name in [s.strip() for s in text.split(",") if s.strip()]:
         if name == "spec":
             spec = SystemSpec(name, stack, "auto", 0)
-        elif m := re.fullmatch(r"spec-k=(\d+)(-ahead|-noahead)?", name):
+        elif m := FIXED_K_SYSTEM.fullmatch(name):
             k = int(m.group(1))
             if k < 1:
                 raise ValueError("--systems: spec-k=N needs N >= 1")

@@ -4,9 +4,8 @@ baseline, its prediction on that system's own terms."""
 
 from __future__ import annotations
 
-import re
-
 from specdec import split
+from specdec.bench.runners import FIXED_K_SYSTEM
 from specdec.speedup import alpha_for_tokens
 
 
@@ -31,7 +30,7 @@ def fixed_k_predictions(summary: dict, costs, delay: float) -> dict:
     systems = summary.get("systems") or {}
     out = {}
     for name, system in systems.items():
-        m = re.fullmatch(r"spec-k=(\d+)(-ahead|-noahead)?", name)
+        m = FIXED_K_SYSTEM.fullmatch(name)
         if not m or not system.get("steady_tokens_per_s"):
             continue
         k = int(m.group(1))
