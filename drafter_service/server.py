@@ -8,7 +8,8 @@ import time
 
 from specdec import telemetry
 from specdec.drafters import Drafter, DraftSession, ModelDrafter, NgramDrafter
-from specdec.models import EMBEDDED_DRAFT, LoadedModel, load_model, load_tokenizer, tokenizer_fingerprint
+from specdec.eagle.drafter import EagleDrafter
+from specdec.models import EMBEDDED_DRAFT, EMBEDDED_TARGET, LoadedModel, load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.replay import REPLAY_WIRE_METHOD, ReplayDrafter
 from specdec.rpc import convert
 from specdec.rpc.scheduler import BatchingOptions
@@ -34,9 +35,15 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
         self.tokenizer_fingerprint = ""
 
     async def load(self, method: str, draft_model: str | None, device: str | None = None,
-                   replay_file: str | None = None) -> None:
+                   replay_file: str | None = None, target: str | None = None) -> None:
         loop = asyncio.get_running_loop()
-        if method == "model":
+        if method == "eagle":
+            if not draft_model:
+                raise SystemExit("--method eagle needs --draft-model: an EAGLE head directory (specdec train-draft eagle-train)")
+            self.lm = await loop.run_in_executor(self.executor, lambda: load_model(target or EMBEDDED_TARGET, device=device,
+                                                                                 runtime="hf"))
+            self.drafter = await loop.run_in_executor(self.executor, EagleDrafter.load, draft_model, self.lm)
+        elif method == "model":
             draft_model = draft_model or EMBEDDED_DRAFT
             self.lm = await loop.run_in_executor(self.executor, lambda: load_model(draft_model, device=device))
             self.drafter = ModelDrafter(self.lm)
@@ -130,6 +137,16 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
                     committed = [int(t) for t in propose.committed_token_ids]
                     if committed:
                         self._validate_ids(committed, "committed_token_ids")
+                    if propose.HasField("target_features"):
+                        if not drafter.feature_size:
+                            raise ValueError(f"target_features: the {drafter.name} drafter does not read target features")
+                        features = convert.features_from_pb(propose.target_features, "target_features",
+                                                           drafter.feature_size)
+                        if features is not None:
+                            if features.end > held - 1:
+                                raise ValueError(f"target_features: positions up to {features.end - 1} for {held} "
+                                                 f"committed tokens (at most {held - 2})")
+                            session.add_features(features)
                     k = min(k, self.max_context - held)  # drafts past the context: fewer (legal: "up to k")
                     previous_block = ahead_block
                     proposal, batch = await self._batched((session, committed, k), len(committed) + k)
@@ -187,7 +204,10 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
 
     def _model_info(self) -> types_pb2.ModelInfo:
         if self.lm is not None:
-            return convert.model_info_pb(self.lm)
+            info = convert.model_info_pb(self.lm)
+            if isinstance(self.drafter, EagleDrafter):  # the target's vocabulary, the head's name
+                info.model = self.drafter.head_name
+            return info
         # A replay drafter names its current settings: the gateway keys its warm starts by this name,
         # so that one alpha's acceptance does not start the next one's sessions.
         name = self.drafter.label if isinstance(self.drafter, ReplayDrafter) else ""
@@ -214,14 +234,16 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
             method=REPLAY_WIRE_METHOD if isinstance(drafter, ReplayDrafter) else drafter.name,
             model=self._model_info(),
             load=types_pb2.LoadReport(active_sessions=len(self.sessions), max_sessions=self.sessions.max_sessions),
-            supports_draft_ahead=True,
+            supports_draft_ahead=drafter.supports_draft_ahead,
+            feature_size=drafter.feature_size,
         )
 
 
 async def serve(method: str, draft_model: str | None, options: ServeOptions, max_sessions: int = 64,
                 device: str | None = None,
                 idle_timeout_s: float | None = 300.0, batching: BatchingOptions | None = None,
-                max_sessions_per_peer: int | None = None, replay_file: str | None = None) -> None:
+                max_sessions_per_peer: int | None = None, replay_file: str | None = None,
+                target: str | None = None) -> None:
     runtime = ServiceRuntime(SERVICE_NAME, options)
     service = DrafterService(runtime, max_sessions=max_sessions, idle_timeout_s=idle_timeout_s, batching=batching,
                              max_sessions_per_peer=max_sessions_per_peer)
@@ -229,5 +251,5 @@ async def serve(method: str, draft_model: str | None, options: ServeOptions, max
     port = await runtime.start()
     runtime.install_signal_handlers()
     print(f"specdec drafter listening on {options.host}:{port}", flush=True)
-    await service.load(method, draft_model, device=device, replay_file=replay_file)
+    await service.load(method, draft_model, device=device, replay_file=replay_file, target=target)
     await runtime.wait_and_drain()

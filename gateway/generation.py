@@ -32,7 +32,7 @@ from gateway.links import MigratingVerifier, RemoteDrafter
 from gateway.pools import BackendPool
 
 log = logging.getLogger("specdec.gateway")
-METHODS = ("auto", "model", "ngram", "none")
+METHODS = ("auto", "model", "eagle", "ngram", "none")
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -238,8 +238,8 @@ class GatewayCore:
         method = request.method or "auto"
         if method not in METHODS:
             raise ValueError(f"speculation.method: {method!r} is not one of {', '.join(METHODS)}")
-        if method == "model" and not self.drafters.backends:
-            raise ValueError("speculation.method: 'model' needs a drafter service and none is configured")
+        if method in ("model", "eagle") and not self.drafters.backends:
+            raise ValueError(f"speculation.method: {method!r} needs a drafter service and none is configured")
         k = request.num_draft_tokens
         if k < 0:
             raise ValueError(f"speculation.num_draft_tokens: {k} is negative")
@@ -311,10 +311,17 @@ class GatewayCore:
         self.metrics.active_sessions.set(self.active)
         self.metrics.requests.inc()
         links = self.link_options
-        verifier = MigratingVerifier(self.verifiers, verifier_backend, verifier_session, prompt_ids, params,
-                                     time_remaining, metadata, links.net_delay_s, request_id=request_id)
         # A drafter service of that method if one runs; n-gram lookup can also run right here.
-        drafter_backend = self.drafters.pick(method) if method in ("model", "ngram") else None
+        drafter_backend = self.drafters.pick(method) if method in ("model", "eagle", "ngram") else None
+        feature_size = drafter_backend.info.feature_size if drafter_backend is not None else 0
+        if feature_size and feature_size != verifier_backend.info.feature_size:
+            log.warning("request %s: drafter %s reads features of width %d, verifier %s streams %d; no drafts",
+                        request_id, drafter_backend.address, feature_size, verifier_backend.address,
+                        verifier_backend.info.feature_size)
+            drafter_backend, feature_size = None, 0
+        verifier = MigratingVerifier(self.verifiers, verifier_backend, verifier_session, prompt_ids, params,
+                                     time_remaining, metadata, links.net_delay_s, request_id=request_id,
+                                     want_features=feature_size > 0)
         drafter_link, remote_drafter = None, None
         draft_model = drafter_backend.info.model.model if drafter_backend is not None else ""
         policy = make_policy(k, memory=self.acceptance_memory, max_k=self.limits.max_draft_tokens,
@@ -325,7 +332,7 @@ class GatewayCore:
             drafter_backend.in_flight += 1
             remote_drafter = RemoteDrafter(drafter_backend.stub, drafter_session, prompt_ids, params,
                                            time_remaining, metadata, net_delay_s=links.net_delay_s,
-                                           request_id=request_id)
+                                           request_id=request_id, reads_features=feature_size > 0)
             if policy.expects_to_draft():
                 # The drafter's prefill overlaps the verifier's. When plain decoding is expected to
                 # win (what this draft pair measured before), the session opens at the first

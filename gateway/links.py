@@ -19,6 +19,7 @@ from google.protobuf.message import DecodeError
 from specdec.rpc import convert
 from specdec.rpc.server import REQUEST_STATUSES
 from specdec.sampling import DraftProposal, SamplingParams
+from specdec.target_features import TargetFeatures, join as join_features
 from specdec.v1 import drafter_pb2, verifier_pb2
 from specdec.verification import Verdict
 
@@ -101,12 +102,13 @@ class RemoteVerifier:
     """``VerifierLink`` over one ``Verifier.Verify`` stream."""
 
     def __init__(self, stub, session_id: str, prompt_ids: list[int], params: SamplingParams,
-                 timeout: float | None, metadata=None, net_delay_s: float = 0.0) -> None:
+                 timeout: float | None, metadata=None, net_delay_s: float = 0.0, want_features: bool = False) -> None:
         self.call = stub.Verify(timeout=timeout, metadata=metadata)
         self.net_delay_s = net_delay_s
         self.session_id = session_id
         self.prompt_ids = prompt_ids
         self.params = params
+        self.want_features = want_features
         self.round = 0
         self.prefill_service_s = 0.0  # time inside the verifier, from its service_time_us (tracing)
         self.service_s = 0.0
@@ -123,6 +125,7 @@ class RemoteVerifier:
             session_id=self.session_id,
             prompt_token_ids=self.prompt_ids,
             sampling=convert.sampling_to_pb(self.params),
+            want_features=self.want_features,
         )
         await _write(self.call, verifier_pb2.VerifyRequest(start=start), self.net_delay_s)
         verdict, self.prefill_service_s = await self._verdict()
@@ -157,7 +160,7 @@ class RemoteDrafter:
 
     def __init__(self, stub, session_id: str, prompt_ids: list[int], params: SamplingParams,
                  time_remaining: Callable[[], float | None], metadata=None, draft_top_k: int = 0,
-                 net_delay_s: float = 0.0, request_id: str = "") -> None:
+                 net_delay_s: float = 0.0, request_id: str = "", reads_features: bool = False) -> None:
         # The stream opens in begin(): a session that never drafts costs the drafter nothing, and
         # one opened late gets the deadline's remaining time then.
         self._stub = stub
@@ -178,6 +181,13 @@ class RemoteDrafter:
         self._inbox: asyncio.Queue = asyncio.Queue()  # (release time, message or exception)
         self._ahead_owed = False  # a DraftAhead message is on its way
         self._continue_write: asyncio.Task | None = None
+        # A feature-level drafter (EAGLE): verdicts' target features wait here for the next proposal.
+        self.reads_features = reads_features
+        self._features: list[TargetFeatures] = []
+
+    def add_features(self, features: TargetFeatures) -> None:
+        if self.broken is None:
+            self._features.append(features)
 
     @property
     def started(self) -> bool:
@@ -274,6 +284,9 @@ class RemoteDrafter:
                 round=self.round, committed_token_ids=committed, num_draft_tokens=num_draft_tokens,
                 ahead_tokens=ahead_tokens,
             )
+            if self._features:
+                propose.target_features.CopyFrom(convert.features_to_pb(join_features(self._features)))
+                self._features = []
             await _write(self.call, drafter_pb2.DraftRequest(propose=propose), self.net_delay_s)
             response = await self._next()
             if response.WhichOneof("kind") != "proposal":
@@ -359,8 +372,10 @@ class MigratingVerifier:
     """
 
     def __init__(self, pool, backend, session_id: str, prompt_ids: list[int], params: SamplingParams,
-                 remaining_s, metadata=None, net_delay_s: float = 0.0, request_id: str = "") -> None:
+                 remaining_s, metadata=None, net_delay_s: float = 0.0, request_id: str = "",
+                 want_features: bool = False) -> None:
         self.pool = pool
+        self.want_features = want_features  # every replica's session streams the target's features
         self.net_delay_s = net_delay_s
         self.session_id = session_id
         self.request_id = request_id or session_id  # for the logs: the client's id
@@ -375,7 +390,7 @@ class MigratingVerifier:
     def _open(self, backend, prompt_ids: list[int]) -> RemoteVerifier:
         backend.in_flight += 1
         return RemoteVerifier(backend.stub, self.session_id, list(prompt_ids), self.params,
-                              self.remaining_s(), self.metadata, self.net_delay_s)
+                              self.remaining_s(), self.metadata, self.net_delay_s, self.want_features)
 
     def _replace(self, error: BaseException, failed: set[str]) -> None:
         """Move the session to another ready replica, or raise ``VerifierUnavailable``."""
@@ -426,7 +441,7 @@ class MigratingVerifier:
         link = self.link
         verdict = await self._guarded(lambda: link.verify(proposal))
         if self.link is not link:  # migrated mid-round: the drafts in flight count as rejected
-            verdict = Verdict(len(proposal), 0, verdict.tokens, verdict.committed_length)
+            verdict = Verdict(len(proposal), 0, verdict.tokens, verdict.committed_length, features=verdict.features)
         self.committed.extend(verdict.tokens)
         return verdict
 

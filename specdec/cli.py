@@ -14,7 +14,8 @@ DEFAULT_TARGET = "embedded"
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="apply the target's chat template to PROMPT")
-    p.add_argument("--draft", choices=["auto", "model", "ngram", "none"], default="auto", help="draft method")
+    p.add_argument("--draft", choices=["auto", "model", "eagle", "ngram", "none"], default="auto",
+                   help="draft method (eagle: an EAGLE head over the target's features)")
     p.add_argument("--num-draft-tokens", "-k", type=int, default=0, help="draft tokens per round (0 = adaptive)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -123,10 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
                                "sampling.max_new_tokens is refused)")
     _add_serve_flags(verifier, 50053)
     drafter = roles.add_parser("drafter")
-    drafter.add_argument("--method", choices=["model", "ngram", "replay"], default="model",
-                         help="replay: benchmarks only, recorded continuations at a chosen acceptance (--replay-file)")
+    drafter.add_argument("--method", choices=["model", "ngram", "eagle", "replay"], default="model",
+                         help="eagle: an EAGLE head over the target's streamed features (--draft-model: the head's "
+                              "directory; --target: its target); replay: benchmarks only, recorded continuations at "
+                              "a chosen acceptance (--replay-file)")
     drafter.add_argument("--draft-model", default=None,
                          help="hub id or local dir (default for --method model: the shipped draft of the embedded target)")
+    drafter.add_argument("--target", default=DEFAULT_TARGET,
+                         help="--method eagle: the target the head drafts for (its embedding and LM head rows)")
     drafter.add_argument("--replay-file", default=None,
                          help="--method replay: the JSON file specdec bench writes (recordings, acceptance, cost); "
                               "reread whenever it changes")
@@ -232,6 +237,13 @@ def _generate_local(args) -> int:
         draft = load_model(draft_model)
         check_compatible(target, draft)
         drafter = ModelDrafter(draft)
+    elif method == "eagle":
+        if not args.draft_model:
+            print("error: --draft eagle needs --draft-model: an EAGLE head directory", file=sys.stderr)
+            return 2
+        from specdec.eagle.drafter import EagleDrafter
+
+        drafter = EagleDrafter.load(args.draft_model, target)
     elif method == "ngram":
         drafter = NgramDrafter()
     tokenizer = target.tokenizer
@@ -397,7 +409,8 @@ def _serve(args) -> int:
 
         coro = serve(args.method, args.draft_model, options, max_sessions=args.max_sessions, device=args.device,
                      idle_timeout_s=args.idle_timeout, batching=_batching(args),
-                     max_sessions_per_peer=_sessions_per_peer(args), replay_file=args.replay_file)
+                     max_sessions_per_peer=_sessions_per_peer(args), replay_file=args.replay_file,
+                     target=args.target)
     else:
         from gateway.server import GatewayLimits, LinkOptions, serve
 

@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from specdec.kv import KVSession
+from specdec.target_features import TargetFeatures
 from specdec.lm import LoadedModel
 from specdec.ragged import ForwardRow, batched_forward
 from specdec.randomness import uniform
@@ -19,6 +20,7 @@ from specdec.sampling import (
     STREAM_DRAFT,
     DraftProposal,
     SamplingParams,
+    SparseDistribution,
     greedy_tokens,
     process_logits,
     truncate_top_k,
@@ -26,7 +28,12 @@ from specdec.sampling import (
 
 
 class DraftSession(ABC):
-    """Per-generation drafting state. ``tokens`` is the committed sequence (prompt + output)."""
+    """Per-generation drafting state. ``tokens`` is the committed sequence (prompt + output).
+
+    A feature-level session (``reads_features``) also gets the target's features (``add_features``)
+    for the committed positions before each ``propose``."""
+
+    reads_features = False
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.tokens: list[int] = list(prompt_ids)
@@ -40,6 +47,10 @@ class DraftSession(ABC):
     def extend(self, committed: list[int]) -> None:
         """Tokens the verifier committed since the last call (accepted drafts + recovered/bonus)."""
         self.tokens.extend(int(t) for t in committed)
+
+    def add_features(self, features: TargetFeatures) -> None:
+        """The target's features at some committed positions (``reads_features`` sessions only)."""
+        raise ValueError(f"target_features: the {type(self).__name__} drafter does not read target features")
 
     @abstractmethod
     def propose(self, num_draft_tokens: int) -> DraftProposal:
@@ -78,6 +89,8 @@ class Drafter(ABC):
     """A draft method. ``name`` is what stats and traces report."""
 
     name: str = "drafter"
+    feature_size: int = 0  # > 0: sessions read the target's features of this width (EAGLE)
+    supports_draft_ahead: bool = True  # sessions implement ``propose_ahead``
 
     @abstractmethod
     def start(self, prompt_ids: list[int], params: SamplingParams) -> DraftSession:
@@ -104,17 +117,23 @@ class ModelDraftSession(DraftSession):
     def _draft_from(self, logits, drafts: list[int], probs: list | None) -> None:
         """Append the next draft token, chosen from the draft's ``logits`` [1, V] at position
         ``len(self.tokens) + len(drafts)``, and (sampling) the exact distribution it came from."""
-        if self.params.greedy:
-            drafts.append(int(greedy_tokens(logits, self.lm.vocab_size)[0]))
-            return
-        # Sample from the processed, top-K-truncated draft distribution and report exactly it.
-        q = truncate_top_k(process_logits(logits, self.params, self.lm.vocab_size)[0], self.params.draft_top_k)
-        u = uniform(self.params.resolved_seed(), len(self.tokens) + len(drafts), STREAM_DRAFT, DRAW_TOKEN)
-        drafts.append(q.sample(u))
-        probs.append(q)
+        token, q = choose_draft(logits, self.params, self.lm.vocab_size, len(self.tokens) + len(drafts))
+        drafts.append(token)
+        if q is not None:
+            probs.append(q)
 
     def close(self) -> None:
         self.kv.close()
+
+
+def choose_draft(logits, params: SamplingParams, vocab_size: int, position: int) -> tuple[int, SparseDistribution | None]:
+    """The draft token at ``position`` from a draft's ``logits`` [1, V]: greedy, the argmax (q one-hot,
+    returned as None); sampling, a draw from the processed, top-K-truncated distribution, returned as
+    the exact q it was drawn from (position-keyed: the same seed and position draw the same u)."""
+    if params.greedy:
+        return int(greedy_tokens(logits, vocab_size)[0]), None
+    q = truncate_top_k(process_logits(logits, params, vocab_size)[0], params.draft_top_k)
+    return q.sample(uniform(params.resolved_seed(), position, STREAM_DRAFT, DRAW_TOKEN)), q
 
 
 def draft_together(lm: LoadedModel, requests: list[tuple[ModelDraftSession, int]]) -> list[DraftProposal]:

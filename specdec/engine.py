@@ -18,6 +18,7 @@ from specdec.completion import Chunk, CompletionBuilder
 from specdec.drafters import DraftSession
 from specdec.policy import DraftLengthPolicy, RoundObservation
 from specdec.sampling import DraftProposal
+from specdec.target_features import TargetFeatures
 from specdec.verification import TargetSession, Verdict
 
 
@@ -31,9 +32,16 @@ class DrafterLink(Protocol):
     # True when proposals are drafted elsewhere (another process or machine), so one can be in
     # flight while a verification is: what shadow probes need.
     concurrent: bool
+    # True for a feature-level drafter (EAGLE): the loop hands it every verdict's target features
+    # (``add_features``) before the next proposal.
+    reads_features: bool
 
     async def propose(self, committed: list[int], num_draft_tokens: int) -> DraftProposal:
         """``committed``: tokens committed since the previous call (first call: none)."""
+        ...
+
+    def add_features(self, features: TargetFeatures) -> None:
+        """(``reads_features`` links) The target's features from a verdict, for the next proposal."""
         ...
 
 
@@ -79,6 +87,7 @@ class GenerationStats:
     verify_queue_wait_s: float = 0.0  # ... and the rounds' wait for them
     verify_service_s: float = 0.0  # of verify_s: time inside the verifier service (remote verifiers report it)
     verify_pass_s: float = 0.0  # ... of which in the batched passes that served the rounds
+    feature_bytes: int = 0  # target features streamed verifier -> gateway -> drafter (prefill included)
     # Per number of drafts verified: [rounds, verify_s, steady rounds, their draft_s]. "Steady": the
     # drafter had only the previous verdict's tokens to feed (not a catch-up after k = 0 rounds or at
     # the start), so its draft_s is what drafting k tokens costs round after round.
@@ -95,6 +104,10 @@ class GenerationStats:
     @property
     def per_position_acceptance(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.per_position_accepted, self.per_position_drafted)]
+
+    @property
+    def feature_bytes_per_round(self) -> float:
+        return self.feature_bytes / self.rounds if self.rounds else 0.0
 
     @property
     def mean_batch_size(self) -> float:
@@ -162,6 +175,8 @@ class GenerationStats:
             "verify_queue_wait_s": self.verify_queue_wait_s,
             "verify_service_s": self.verify_service_s,
             "verify_pass_s": self.verify_pass_s,
+            "feature_bytes": self.feature_bytes,
+            "feature_bytes_per_round": self.feature_bytes_per_round,
             "round_costs": [{"num_drafts": k, "rounds": c[0], "verify_s": c[1], "steady_rounds": c[2],
                              "steady_draft_s": c[3]} for k, c in sorted(self.round_costs.items())],
         }
@@ -257,9 +272,18 @@ async def generate(
     draft_ahead = draft_ahead and drafter is not None and hasattr(drafter, "take_ahead")
     shadow_probes = (shadow_probes and drafter is not None and getattr(drafter, "concurrent", False)
                      and not draft_ahead and completion.params.greedy)
+    relay_features = drafter is not None and getattr(drafter, "reads_features", False)
+
+    def take_features(verdict: Verdict) -> None:
+        if verdict.features is not None:
+            stats.feature_bytes += verdict.features.wire_bytes
+            if relay_features:
+                drafter.add_features(verdict.features)
+
     start = time.perf_counter()
     verdict = await verifier.prefill()
     stats.ttft_s = time.perf_counter() - start
+    take_features(verdict)
     chunk = completion.add(verdict.tokens)
     yield chunk
     pending = list(verdict.tokens)  # committed but not yet told to the drafter
@@ -309,6 +333,7 @@ async def generate(
             t1 = time.perf_counter()
             verdict = await verifier.verify(proposal)
             t2 = time.perf_counter()
+            take_features(verdict)
             chunk = completion.add(verdict.tokens)
             pending.extend(verdict.tokens)
             committed.extend(verdict.tokens)
@@ -367,6 +392,10 @@ class LocalDrafter:
 
     def __init__(self, session: DraftSession) -> None:
         self.session = session
+        self.reads_features = session.reads_features
+
+    def add_features(self, features: TargetFeatures) -> None:
+        self.session.add_features(features)
 
     async def propose(self, committed: list[int], num_draft_tokens: int) -> DraftProposal:
         self.session.extend(committed)

@@ -117,6 +117,7 @@ class KVSession:
         self.cache = new_session_cache(lm)
         self.cached_tokens: list[int] = []
         self.committed = 0  # leading cached tokens that are committed (equal in every later token list)
+        self.last_fed = 0  # tokens the last successful pass fed (the rest of its list was cached)
 
     def __len__(self) -> int:
         return len(self.cached_tokens)
@@ -158,6 +159,7 @@ class KVSession:
         """After a successful pass over ``feed``: the cache holds it too; ``committed`` leading
         tokens of the pass's token list are committed (see the class docstring)."""
         self.cached_tokens.extend(feed)
+        self.last_fed = len(feed)
         self.committed = min(committed, len(self.cached_tokens))
 
     def forward(self, tokens: list[int], num_logits: int = 1, committed: int = 0) -> torch.Tensor:

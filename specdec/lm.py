@@ -10,7 +10,9 @@ weights) for ``generate`` and as the ``--runtime hf`` fallback.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -90,6 +92,40 @@ class LoadedModel:
             return DynamicCache(config=self.model.config)
         except TypeError:  # older transformers
             return DynamicCache()
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the features ``captured_features`` yields (the hidden size); 0 if it cannot."""
+        if self.lean is None and not isinstance(getattr(self.model.base_model, "norm", None), torch.nn.Module):
+            return 0
+        return int(self.model.config.hidden_size)
+
+    @contextlib.contextmanager
+    def captured_features(self) -> Iterator[list[torch.Tensor]]:
+        """Within: each forward pass appends the target's features of every token it fed (the final
+        norm's input, packed as fed: [tokens, H], fp32, CPU) to the yielded list. Passes must not run
+        concurrently on this model while it is open (the verifier runs one pass at a time)."""
+        passes: list[torch.Tensor] = []
+        if self.lean is not None:
+            if self.lean.feature_sink is not None:
+                raise RuntimeError("features are already being captured on this model")
+            self.lean.feature_sink = passes.append
+            try:
+                yield passes
+            finally:
+                self.lean.feature_sink = None
+            return
+        if not self.feature_size:
+            raise ValueError(f"{self.name}: no final norm to take features from")
+
+        def take(module, args) -> None:
+            passes.append(args[0].reshape(-1, args[0].shape[-1]).float().cpu())
+
+        handle = self.model.base_model.norm.register_forward_pre_hook(take)
+        try:
+            yield passes
+        finally:
+            handle.remove()
 
     @torch.inference_mode()
     def forward(self, input_ids: list[int], cache, num_logits: int) -> torch.Tensor:

@@ -43,9 +43,34 @@ class ForwardRow:
     tokens: list[int]
     num_logits: int = 1
     committed: int = 0
+    # Also wanted: the target's features (final-norm inputs) of the last ``num_features`` tokens of
+    # ``tokens``; after the pass ``features`` holds those the pass fed (it may feed fewer: the cache
+    # had the rest), from position ``features_start`` on.
+    num_features: int = 0
+    features: torch.Tensor | None = None
+    features_start: int = 0
 
 
 def batched_forward(lm: LoadedModel, rows: Sequence[ForwardRow]) -> list[torch.Tensor]:
+    """Logits (fp32, [num_logits, V]) per row, from one forward pass of ``lm`` over all rows; rows
+    that ask for ``num_features`` get their ``features`` too (see ``ForwardRow``)."""
+    if not any(row.num_features for row in rows):
+        return _batched_logits(lm, rows)
+    with lm.captured_features() as passes:
+        logits = _batched_logits(lm, rows)
+    # One packed pass or one pass per row: either way every row's fed tokens, row after row.
+    packed = torch.cat(passes) if len(passes) != 1 else passes[0]
+    fed = [row.kv.last_fed for row in rows]
+    offset = 0
+    for row, n in zip(rows, fed):
+        wanted = min(row.num_features, n)
+        row.features = packed[offset + n - wanted: offset + n]
+        row.features_start = len(row.kv) - wanted
+        offset += n
+    return logits
+
+
+def _batched_logits(lm: LoadedModel, rows: Sequence[ForwardRow]) -> list[torch.Tensor]:
     """Logits (fp32, [num_logits, V]) per row, from one forward pass of ``lm`` over all rows.
 
     Invariant: afterwards each row's KV session holds exactly ``row.tokens``, as after

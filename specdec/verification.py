@@ -17,6 +17,7 @@ from specdec.sampling import (
     greedy_tokens,
     process_logits,
 )
+from specdec.target_features import WIRE_DTYPE, TargetFeatures
 
 
 @dataclass(frozen=True)
@@ -33,10 +34,14 @@ class Verdict:
     tokens: list[int]
     committed_length: int  # prompt + generated, after this verdict
     batch: BatchInfo | None = None  # the batched pass that computed it (verifier service), if known
+    # A session that wants features: the target's at positions committed_length - len(tokens) - 1 ..
+    # committed_length - 2 (prefill: the whole prompt, 0 .. committed_length - 2; see ``TargetSession``).
+    features: TargetFeatures | None = None
 
     @staticmethod
-    def from_acceptance(result: AcceptanceResult, committed_length: int) -> "Verdict":
-        return Verdict(result.num_drafts, result.num_accepted, result.tokens, committed_length)
+    def from_acceptance(result: AcceptanceResult, committed_length: int,
+                        features: TargetFeatures | None = None) -> "Verdict":
+        return Verdict(result.num_drafts, result.num_accepted, result.tokens, committed_length, features=features)
 
 
 class TargetSession:
@@ -44,30 +49,68 @@ class TargetSession:
 
     ``prefill()`` yields the first token; each ``verify(proposal)`` runs one forward pass over
     the pending token and the k drafts and commits ``num_accepted + 1`` tokens.
+
+    ``want_features``: each verdict also carries the target's features (``TargetFeatures``) at the
+    committed positions no earlier verdict covered, up to the last committed token's predecessor
+    (the last token's own feature comes from the next pass). Invariant: after a verdict, features
+    for positions 0 .. len(tokens) - 2 have been handed out exactly once, in order.
     """
 
-    def __init__(self, target: LoadedModel, prompt_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, target: LoadedModel, prompt_ids: list[int], params: SamplingParams,
+                 want_features: bool = False) -> None:
         if not prompt_ids:
             raise ValueError("prompt_token_ids must not be empty")
+        if want_features and not target.feature_size:
+            raise ValueError("want_features: this target has no features to stream")
         self.target = target
         self.params = params
         self.tokens: list[int] = list(prompt_ids)
         self.kv = KVSession(target)
+        self.want_features = want_features
+        self.unsent: TargetFeatures | None = None  # features computed but not yet in a verdict
+        self.features_sent = 0  # positions 0 .. features_sent - 1 went out in verdicts
 
     def prefill(self) -> Verdict:
         return self.verify(DraftProposal())
 
     def verify(self, proposal: DraftProposal) -> Verdict:
         row = self.forward_row(proposal)
-        return self.commit(proposal, row.kv.forward(row.tokens, row.num_logits, row.committed))
+        return self.commit(proposal, batched_forward(self.target, [row])[0], row)
 
     def forward_row(self, proposal: DraftProposal) -> ForwardRow:
-        """The forward this verification needs: the pending token and the drafts, k + 1 logits."""
+        """The forward this verification needs: the pending token and the drafts, k + 1 logits (and,
+        wanting features, those of every position the pass feeds: prefill's whole prompt)."""
         drafts = [int(t) for t in proposal.draft_tokens]
-        return ForwardRow(self.kv, self.tokens + drafts, len(drafts) + 1, committed=len(self.tokens))
+        tokens = self.tokens + drafts
+        return ForwardRow(self.kv, tokens, len(drafts) + 1, committed=len(self.tokens),
+                          num_features=len(tokens) if self.want_features else 0)
 
-    def commit(self, proposal: DraftProposal, logits) -> Verdict:
-        """Accept or reject ``proposal`` given the target's logits at its k + 1 positions."""
+    def take_features(self, row: ForwardRow) -> None:
+        """Keep the features a pass computed for this session (a prefill chunk's, or a verification's
+        before its commit) until a verdict sends them; a rerun position overwrites its row."""
+        if row.features is None:
+            return
+        computed = TargetFeatures(row.features_start, row.features.to(WIRE_DTYPE))
+        self.unsent = computed if self.unsent is None else self.unsent.then(computed)
+
+    def _verdict_features(self) -> TargetFeatures | None:
+        """The unsent features of committed positions up to len(tokens) - 2 (the rest are drafts the
+        verdict rejected, or not computed yet), cut from the kept ones."""
+        if not self.want_features:
+            return None
+        end = len(self.tokens) - 1
+        kept = self.unsent
+        if kept is None or kept.start > self.features_sent or kept.end < end:
+            raise RuntimeError(f"target features: positions {self.features_sent}..{end - 1} were not computed")
+        sent = TargetFeatures(self.features_sent, kept.values[self.features_sent - kept.start: end - kept.start])
+        self.unsent, self.features_sent = None, end
+        return sent
+
+    def commit(self, proposal: DraftProposal, logits, row: ForwardRow | None = None) -> Verdict:
+        """Accept or reject ``proposal`` given the target's logits at its k + 1 positions (``row``:
+        the pass's row, whose features a session that wants them sends)."""
+        if row is not None:
+            self.take_features(row)
         drafts = [int(t) for t in proposal.draft_tokens]
         k = len(drafts)
         if self.params.greedy:
@@ -79,7 +122,7 @@ class TargetSession:
             q = [proposal.q(i) for i in range(k)]
             result = accept_speculative(p, drafts, q, draws)
         self.tokens.extend(result.tokens)
-        return Verdict.from_acceptance(result, len(self.tokens))
+        return Verdict.from_acceptance(result, len(self.tokens), self._verdict_features())
 
     def close(self) -> None:
         self.kv.close()
@@ -151,7 +194,8 @@ class PrefillChunk:
     end: int
 
     def forward_row(self) -> ForwardRow:
-        return ForwardRow(self.session.kv, self.session.tokens[: self.end], 1, committed=self.end)
+        wanted = self.end if self.session.want_features else 0
+        return ForwardRow(self.session.kv, self.session.tokens[: self.end], 1, committed=self.end, num_features=wanted)
 
 
 VerifyJob = tuple[TargetSession, DraftProposal] | PrefillChunk
@@ -163,13 +207,14 @@ def verify_batch(target: LoadedModel, jobs: list[VerifyJob]) -> list[Verdict | E
     A ``PrefillChunk`` job's result is None: it only fills its session's cache."""
     rows = [job.forward_row() if isinstance(job, PrefillChunk) else job[0].forward_row(job[1]) for job in jobs]
     results: list[Verdict | Exception | None] = []
-    for job, logits in zip(jobs, batched_forward(target, rows), strict=True):
+    for job, row, logits in zip(jobs, rows, batched_forward(target, rows), strict=True):
         if isinstance(job, PrefillChunk):
+            job.session.take_features(row)
             results.append(None)
             continue
         session, proposal = job
         try:
-            results.append(session.commit(proposal, logits))
+            results.append(session.commit(proposal, logits, row))
         except Exception as exc:  # one session's failure is its own
             results.append(exc)
     return results

@@ -99,17 +99,19 @@ class Stack:
 
 def start_stack(target: Path | str, draft: Path | str | None, log_dir: Path, *, verifiers: int = 1,
                 gateway_args: list[str] = (), verifier_args: list[str] = (), drafter_args: list[str] = (),
-                metrics: bool = False,
+                metrics: bool = False, drafter_method: str = "model",
                 env: dict | None = None) -> Stack:
-    """A verifier (or several), a model drafter (if ``draft``) and a gateway over them; ``env`` is
-    added to every service's environment."""
+    """A verifier (or several), a drafter of ``drafter_method`` (if ``draft``: the draft model, or
+    for eagle the head's directory) and a gateway over them; ``env`` is added to every service's environment."""
     vs = [start_service("verifier", ["--target", str(target), *verifier_args], log_dir, name=f"verifier{i}",
                         metrics=metrics, env=env)
           for i in range(verifiers)]
     ds = []
     if draft is not None:
-        ds.append(start_service("drafter", ["--method", "model", "--draft-model", str(draft), *drafter_args], log_dir,
-                                metrics=metrics, env=env))
+        method_args = ["--method", drafter_method, "--draft-model", str(draft)]
+        if drafter_method == "eagle":
+            method_args += ["--target", str(target)]
+        ds.append(start_service("drafter", [*method_args, *drafter_args], log_dir, metrics=metrics, env=env))
     gw_args = ["--target", str(target), *gateway_args]
     for v in vs:
         gw_args += ["--verifier", v.address]

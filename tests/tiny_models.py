@@ -121,3 +121,37 @@ def build_noisy_copy(directory: Path, source_dir: Path, *, noise_std: float = 0.
     model.save_pretrained(directory, safe_serialization=True)
     AutoTokenizer.from_pretrained(source_dir).save_pretrained(directory)
     return directory
+
+
+def build_eagle_head(directory: Path, target_dir: Path, prompts: list[list[int]], *, new_tokens: int = 48,
+                     steps: int = 20, seed: int = 0) -> Path:
+    """An EAGLE head for the tiny target at ``target_dir``, trained briefly on the target's own greedy
+    continuations of ``prompts`` (teacher-forced features). A random tiny target's text has nothing to
+    generalise from, so the head learns those continuations: on them its drafts are mostly accepted
+    and sometimes not (rounds accept, reject and roll back); elsewhere they mostly fail."""
+    from specdec.eagle import train as eagle_train
+    from specdec.eagle.features import teacher_force
+    from specdec.eagle.head import EagleHead
+    from specdec.models import load_model
+
+    if (directory / "config.json").exists():
+        return directory
+    target = load_model(str(target_dir), device="cpu", runtime="hf")
+    sequences = []
+    for prompt in prompts:
+        out = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)
+        sequences.append(out[0].tolist())
+    records = [{"answer_start": len(p), **f} for p, f in zip(prompts, teacher_force(target, sequences, token_budget=1024))]
+    torch.manual_seed(seed)
+    head = EagleHead.from_target(target, list(range(target.vocab_size)))
+    head.calibrate(torch.cat([r["features"] for r in records]))
+    position_of = torch.arange(target.vocab_size)
+    batch = eagle_train.collate(records)
+    trainable = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=3e-3)
+    for _ in range(steps):
+        loss, _ = eagle_train.batch_loss(head, batch, position_of, depth=3)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return head.save(directory)

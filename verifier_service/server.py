@@ -84,14 +84,14 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                         raise ValueError(f"sampling.max_new_tokens: {params.max_new_tokens} exceeds this verifier's "
                                          f"cap ({self.max_new_tokens_cap}; --max-new-tokens-cap)")
                     budget = len(prompt) + params.max_new_tokens  # the committed length never passes it
-                    session = TargetSession(lm, prompt, params)
+                    session = TargetSession(lm, prompt, params, want_features=start.want_features)
                     key = self.sessions.open(start.session_id, session, cancelled, peer=context.peer())
                     verdict, chunks = await self._prefill(session)
                     self.metrics.tokens.inc(len(verdict.tokens))
                     if trace is not None:
                         trace.set(session_id=key, prompt_tokens=len(prompt))
                         trace.step("prefill", received, prompt_tokens=len(prompt), tokens=len(verdict.tokens),
-                                   prefill_chunks=chunks, **verdict.batch.trace_attributes())
+                                   prefill_chunks=chunks, **_feature_attributes(verdict), **verdict.batch.trace_attributes())
                     yield verifier_pb2.VerifyResponse(round=0, service_time_us=_us_since(received),
                                                       **convert.verdict_fields(verdict))
                 elif kind == "block":
@@ -105,7 +105,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                     if trace is not None:
                         trace.step("verify", received, round=request.block.round, drafted=verdict.num_drafts,
                                    accepted=verdict.num_accepted, tokens=len(verdict.tokens),
-                                   **verdict.batch.trace_attributes())
+                                   **_feature_attributes(verdict), **verdict.batch.trace_attributes())
                     yield verifier_pb2.VerifyResponse(round=request.block.round, service_time_us=_us_since(received),
                                                       **convert.verdict_fields(verdict))
                 else:
@@ -180,7 +180,15 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
             model=convert.model_info_pb(lm),
             load=types_pb2.LoadReport(active_sessions=len(self.sessions), max_sessions=self.sessions.max_sessions),
             forward_cost_s=self.forward_cost_s,
+            feature_size=lm.feature_size,
         )
+
+
+def _feature_attributes(verdict: Verdict) -> dict:
+    """A verdict's target features on its trace step (sessions that asked for them)."""
+    if verdict.features is None:
+        return {}
+    return {"feature_positions": len(verdict.features), "feature_bytes": verdict.features.wire_bytes}
 
 
 def _us_since(started: float) -> int:

@@ -86,25 +86,31 @@ class HeadSession:
 
     @torch.inference_mode()
     def draft(self, tokens: list[int], features: torch.Tensor, k: int, features_start: int = 0,
-              choose: Callable[[torch.Tensor], int] | None = None) -> Drafted:
+              choose: Callable[[torch.Tensor], int] | None = None, unchanged: int = 0) -> Drafted:
         """Draft ``k`` tokens after the committed ``tokens`` (x_0..x_n) given the target's features
         ``features`` [F, H] for positions ``features_start``..``features_start + F - 1``.
 
         Greedy by default; ``choose(full_logits) -> token id`` picks each draft otherwise (a sampler
-        must return the q it drew from itself: the logits it was given are the head's exact ones)."""
+        must return the q it drew from itself: the logits it was given are the head's exact ones).
+        ``unchanged``: the caller promises ``tokens[:unchanged]`` equal the last call's (committed
+        text never changes), so only the rest is compared: a round's work does not grow with the context."""
         n = len(tokens) - 1
         known = features_start + len(features)  # the target's features cover positions < known
         settle = min(n, known)
         if settle < 1:
             raise ValueError("drafting needs one committed token after the first and the target's feature before it")
-        keep = min(max(common_prefix_length(self.tokens, tokens) - 1, 0), self.cache.length, settle - 1)
+        same = min(unchanged, len(self.tokens), len(tokens))
+        same += common_prefix_length(self.tokens[same:], tokens[same:])
+        keep = min(max(same - 1, 0), self.cache.length, settle - 1)
         if keep < features_start:
             raise ValueError(f"positions {keep + 1}..{settle} need the target's features from position {keep}, "
                              f"given from {features_start}")
         self.cache.crop(keep)
         dtype = self.head.fc.weight.dtype
         g = self.step(tokens[keep + 1: settle + 1], features[keep - features_start: settle - features_start].to(dtype))[-1]
-        self.tokens = list(tokens[: settle + 1])
+        cut = min(keep + 1, same)  # self.tokens[:same] already equal tokens[:same]
+        del self.tokens[cut:]
+        self.tokens.extend(tokens[cut: settle + 1])
         for s in range(settle + 1, n + 1):  # committed tokens the target has no features for yet
             g = self.step([tokens[s]], g[None])[-1]
         drafts, chain = [], []

@@ -6,7 +6,8 @@ the target's last decoder layer output at position s, before its final norm (fp1
 tokenizer's ids, what the verifier would commit). ``answer_start`` is the prompt's length.
 
 Text: the target's own answers (``specdec train-draft data`` shards, or answers this step generates
-for the offline training prompts of ``specdec.distill.prompts``). Never the benchmark sets.
+for the offline training prompts of ``specdec.distill.prompts``), and local text framed as chat answers
+(``--text``, ``text_corpus``: far more tokens, at teacher-forcing speed). Never the benchmark sets.
 Output: ``feat-NNNNN.pt`` shards under ``--out`` (``--records-per-shard`` sequences each, in a fixed
 order); a rerun skips the shards already written, and generation resumes at the first missing
 answer shard (``--out/answers``).
@@ -150,6 +151,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="embedded")
     p.add_argument("--answers", type=Path, action="append", default=[],
                    help="a directory of `specdec train-draft data` shards (repeatable)")
+    p.add_argument("--text", type=Path, action="append", default=[],
+                   help="also local text files or directories (.py, .txt, .md, .rst), framed as chat answers (repeatable)")
+    p.add_argument("--text-tokens", type=int, default=1_000_000, help="answer tokens taken from --text at most")
+    p.add_argument("--text-chunk-tokens", type=int, default=512, help="tokens per text answer at most")
     p.add_argument("--generate", type=int, default=0, metavar="N",
                    help="first have the target answer N offline training prompts (greedy; into OUT/answers, resumable)")
     p.add_argument("--generate-minutes", type=float, default=20.0, help="stop starting answer batches after this long")
@@ -182,9 +187,17 @@ def main(argv=None) -> int:
                          args.max_prompt_tokens, args.generate_minutes, args.generate_dtype)
         directories.append(generated)
     records = answer_records(directories)
-    if not records:
-        raise SystemExit("no answers: give --answers DIR (from `specdec train-draft data`) or --generate N")
     target = load_model(args.target, device="cpu", dtype=getattr(torch, args.dtype), runtime="hf")
+    if args.text:
+        from importlib.resources import files
+
+        from specdec.eagle.text_corpus import text_records
+
+        benchmark_sets = [Path(str(files("specdec") / "data")), Path(__file__).resolve().parents[3] / "shared" / "data"]
+        records += text_records(args.text, target.tokenizer, args.text_tokens, args.text_chunk_tokens, args.seed,
+                                refused=[d for d in benchmark_sets if d.exists()])
+    if not records:
+        raise SystemExit("nothing to teacher-force: give --answers DIR (from `specdec train-draft data`), --generate N or --text PATH")
     hidden = int(target.model.config.hidden_size)
     meta_path = args.out / META_FILE
     meta = {"target": args.target, "hidden_size": hidden, "dtype": args.dtype}

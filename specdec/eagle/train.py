@@ -128,10 +128,13 @@ def evaluate(head: EagleHead, records: list[dict], position_of: torch.Tensor, de
 
 
 def split_records(records: list[dict], holdout: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """(held-out, training): a seeded shuffle of the records by key; the first ``holdout`` are held out."""
+    """(held-out, training): a seeded shuffle of the records by key; the first ``holdout`` of the target's
+    own answers are held out (what a served head meets; local text, ``text-*``, only trains)."""
     order = sorted(records, key=lambda r: r["key"])
     random.Random(seed).shuffle(order)
-    return order[:holdout], order[holdout:]
+    answers = [r for r in order if not r["source"].startswith("text-")]
+    held = {id(r) for r in (answers or order)[:holdout]}
+    return [r for r in order if id(r) in held], [r for r in order if id(r) not in held]
 
 
 def frequent_ids(records: list[dict], size: int, vocab: int, always: list[int]) -> list[int]:

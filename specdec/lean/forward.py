@@ -23,7 +23,7 @@ the sessions apart.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +61,9 @@ class LeanModel:
         # On CPU a single session's pass keeps its activations in numpy (numpy_pass: per-op cost).
         self.numpy_pass = (NumpyPass(weights, self.layers, self.head)
                            if self.device.type == "cpu" and self.dtype == torch.float32 else None)
+        # Set while a caller wants the target's features (``LoadedModel.captured_features``): each pass
+        # hands it the final-norm input of every fed token, packed as fed ([sum(fed), H], fp32, CPU).
+        self.feature_sink: Callable[[torch.Tensor], None] | None = None
 
     @classmethod
     def from_hf(cls, model, **options) -> LeanModel:
@@ -111,7 +114,7 @@ class LeanModel:
         if self.numpy_pass is not None and len(kvs) == 1:
             backend = self.plan.backend(fed[0])
             with self.plan.regime(backend):
-                logits = self.numpy_pass.run(kvs[0], feeds[0], num_logits[0], backend)
+                logits = self.numpy_pass.run(kvs[0], feeds[0], num_logits[0], backend, self.feature_sink)
             return self._full_width(torch.from_numpy(logits))
         total = sum(fed)
         device = self.device
@@ -146,6 +149,8 @@ class LeanModel:
                 gate_up = backend.mm(h, gate_up_w.handles[backend.name])
                 act = F.silu(gate_up[:, : w.intermediate]).mul_(gate_up[:, w.intermediate :])
                 x = x + backend.mm(act, down_w.handles[backend.name])
+            if self.feature_sink is not None:
+                self.feature_sink(x.float().cpu())
             rows = x[torch.tensor(keep, device=device)] if len(keep) < total else x
             h = F.rms_norm(rows, (w.hidden,), w.final_norm, w.eps)
             logits = backend.mm(h, self.head.handles[backend.name]).float()

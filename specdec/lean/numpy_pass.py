@@ -20,9 +20,10 @@ as between any two BLAS (tests hold both forwards to transformers' logits within
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
+import torch
 
 from specdec.lean.kv import LeanKV
 from specdec.lean.matmul import Backend
@@ -75,7 +76,10 @@ class NumpyPass:
         rotation[:, index, index + half] = sin  # out[j + half] gets x[j] * sin[j]
         return rotation
 
-    def run(self, kv: LeanKV, tokens: Sequence[int], num_logits: int, backend: Backend) -> np.ndarray:
+    def run(self, kv: LeanKV, tokens: Sequence[int], num_logits: int, backend: Backend,
+            feature_sink: Callable[[torch.Tensor], None] | None = None) -> np.ndarray:
+        """Logits [num_logits, V] of the last positions fed; ``feature_sink`` gets every fed position's
+        final-norm input [count, H] (``LeanModel.feature_sink``)."""
         ids = np.asarray(tokens, dtype=np.int64)
         if ids.min() < 0 or ids.max() >= len(self.embed):  # numpy would wrap a negative index round
             raise IndexError(f"a token id is out of range for a vocabulary of {len(self.embed)}")
@@ -113,6 +117,8 @@ class NumpyPass:
             gate = gate_up[:, :split_v]
             act = gate / (np.float32(1.0) + np.exp(-gate)) * gate_up[:, split_v:]
             x = x + mm(act, down_w.handles[name])
+        if feature_sink is not None:
+            feature_sink(torch.from_numpy(x.copy()))
         logits = mm(self._norm(x[count - num_logits :], self.final_norm), self.head.handles[name])
         kv.length = total
         return logits

@@ -9,6 +9,7 @@ from specdec.engine import GenerationStats
 from specdec.lm import LoadedModel
 from specdec.ragged import BatchInfo
 from specdec.sampling import DEFAULT_DRAFT_TOP_K, DraftProposal, SamplingParams, SparseDistribution
+from specdec.target_features import WIRE_DTYPE, TargetFeatures
 from specdec.v1 import gateway_pb2, types_pb2
 from specdec.verification import Verdict, check_draft_probs
 
@@ -88,6 +89,29 @@ def proposal_from_pb(msg, support_bound: int | None = None) -> DraftProposal:
     return proposal
 
 
+def features_to_pb(features: TargetFeatures) -> types_pb2.TargetFeatures:
+    values = features.values.to(WIRE_DTYPE).contiguous()
+    return types_pb2.TargetFeatures(start_position=features.start, num_positions=values.shape[0],
+                                    hidden_size=values.shape[1], data=values.numpy().astype("<f2").tobytes())
+
+
+def features_from_pb(pb: types_pb2.TargetFeatures, field: str, hidden_size: int | None = None) -> TargetFeatures | None:
+    """The features in ``pb`` (None when it carries none); ``ValueError`` naming ``field`` unless the
+    bytes match the stated shape, the width is ``hidden_size`` (when given) and every value is finite."""
+    if pb.num_positions == 0 and not pb.data:
+        return None
+    n, width = int(pb.num_positions), int(pb.hidden_size)
+    if width == 0 or (hidden_size is not None and width != hidden_size):
+        raise ValueError(f"{field}.hidden_size: {width}, expected {hidden_size}")
+    if len(pb.data) != n * width * WIRE_DTYPE.itemsize:
+        raise ValueError(f"{field}.data: {len(pb.data)} bytes, expected {n * width * WIRE_DTYPE.itemsize} "
+                         f"(float16 [{n}, {width}])")
+    values = torch.frombuffer(bytearray(pb.data), dtype=WIRE_DTYPE).view(n, width)
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError(f"{field}.data: not finite")
+    return TargetFeatures(int(pb.start_position), values)
+
+
 def verdict_fields(verdict: Verdict) -> dict:
     fields = {
         "num_drafts": verdict.num_drafts,
@@ -98,6 +122,8 @@ def verdict_fields(verdict: Verdict) -> dict:
     if verdict.batch is not None:
         fields.update(batch_size=verdict.batch.size, batch_tokens=verdict.batch.tokens,
                       queue_wait_us=int(verdict.batch.queue_wait_s * 1e6), pass_time_us=int(verdict.batch.pass_s * 1e6))
+    if verdict.features is not None:
+        fields["features"] = features_to_pb(verdict.features)
     return fields
 
 
@@ -111,6 +137,7 @@ def verdict_from_pb(pb) -> Verdict:
         tokens=[int(t) for t in pb.token_ids],
         committed_length=int(pb.committed_length),
         batch=batch,
+        features=features_from_pb(pb.features, "features") if pb.HasField("features") else None,
     )
 
 

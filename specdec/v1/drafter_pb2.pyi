@@ -28,18 +28,20 @@ class DraftStart(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., draft_top_k: _Optional[int] = ...) -> None: ...
 
 class DraftPropose(_message.Message):
-    __slots__ = ("round", "committed_token_ids", "num_draft_tokens", "ahead_tokens", "ahead_used")
+    __slots__ = ("round", "committed_token_ids", "num_draft_tokens", "ahead_tokens", "ahead_used", "target_features")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     AHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     AHEAD_USED_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FEATURES_FIELD_NUMBER: _ClassVar[int]
     round: int
     committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_draft_tokens: int
     ahead_tokens: int
     ahead_used: int
-    def __init__(self, round: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., ahead_tokens: _Optional[int] = ..., ahead_used: _Optional[int] = ...) -> None: ...
+    target_features: _types_pb2.TargetFeatures
+    def __init__(self, round: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., ahead_tokens: _Optional[int] = ..., ahead_used: _Optional[int] = ..., target_features: _Optional[_Union[_types_pb2.TargetFeatures, _Mapping]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("started", "proposal", "ahead")
@@ -88,16 +90,18 @@ class GetDrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetDrafterInfoResponse(_message.Message):
-    __slots__ = ("method", "model", "load", "supports_draft_ahead")
+    __slots__ = ("method", "model", "load", "supports_draft_ahead", "feature_size")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_SIZE_FIELD_NUMBER: _ClassVar[int]
     method: str
     model: _types_pb2.ModelInfo
     load: _types_pb2.LoadReport
     supports_draft_ahead: bool
-    def __init__(self, method: _Optional[str] = ..., model: _Optional[_Union[_types_pb2.ModelInfo, _Mapping]] = ..., load: _Optional[_Union[_types_pb2.LoadReport, _Mapping]] = ..., supports_draft_ahead: _Optional[bool] = ...) -> None: ...
+    feature_size: int
+    def __init__(self, method: _Optional[str] = ..., model: _Optional[_Union[_types_pb2.ModelInfo, _Mapping]] = ..., load: _Optional[_Union[_types_pb2.LoadReport, _Mapping]] = ..., supports_draft_ahead: _Optional[bool] = ..., feature_size: _Optional[int] = ...) -> None: ...
 
 class CancelDraftRequest(_message.Message):
     __slots__ = ("session_id",)

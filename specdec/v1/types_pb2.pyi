@@ -55,3 +55,15 @@ class LoadReport(_message.Message):
     active_sessions: int
     max_sessions: int
     def __init__(self, active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ...) -> None: ...
+
+class TargetFeatures(_message.Message):
+    __slots__ = ("start_position", "num_positions", "hidden_size", "data")
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    NUM_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    start_position: int
+    num_positions: int
+    hidden_size: int
+    data: bytes
+    def __init__(self, start_position: _Optional[int] = ..., num_positions: _Optional[int] = ..., hidden_size: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...

@@ -1,0 +1,109 @@
+"""The ``eagle`` draft method: the EAGLE head behind the one ``Drafter`` interface.
+
+A session holds the committed tokens and the target's features for committed positions (streamed
+by the verifier with every verdict, passed on by the gateway: ``add_features``), and drafts with a
+``HeadSession``. Greedy drafts report one-hot q; sampled drafts report the exact q they were drawn
+from (``drafters.choose_draft``: the processed, top-K-truncated head distribution, position-keyed
+draws), so acceptance stays exact whatever the head's quality.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specdec.drafters import DraftSession, Drafter, choose_draft
+from specdec.eagle.drafting import HeadSession
+from specdec.eagle.head import EagleHead
+from specdec.sampling import DraftProposal, SamplingParams
+from specdec.target_features import WIRE_DTYPE, TargetFeatures
+
+
+class FeatureHistory:
+    """The target's features for positions 0 .. length - 1, in a buffer that grows by doubling (a
+    round appends its few rows; nothing is copied per round beyond them)."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self._rows = torch.empty((0, width), dtype=WIRE_DTYPE)
+        self.length = 0
+
+    def write(self, features: TargetFeatures) -> None:
+        """Store ``features``; positions already held are overwritten (a migrated verifier resends)."""
+        if features.values.shape[1] != self.width:
+            raise ValueError(f"target_features.hidden_size: {features.values.shape[1]}, this drafter's head "
+                             f"reads {self.width}")
+        if features.start > self.length:
+            raise ValueError(f"target_features.start_position: {features.start} leaves positions "
+                             f"{self.length}..{features.start - 1} without features")
+        end = features.end
+        if end > self._rows.shape[0]:
+            grown = torch.empty((max(end, 2 * self._rows.shape[0], 256), self.width), dtype=WIRE_DTYPE)
+            grown[: self.length] = self._rows[: self.length]
+            self._rows = grown
+        self._rows[features.start: end] = features.values.to(WIRE_DTYPE)
+        self.length = max(self.length, end)
+
+    def view(self) -> torch.Tensor:
+        return self._rows[: self.length]
+
+
+class EagleDraftSession(DraftSession):
+    reads_features = True
+
+    def __init__(self, head: EagleHead, prompt_ids: list[int], params: SamplingParams, vocab_size: int) -> None:
+        super().__init__(prompt_ids, params)
+        self.head_session = HeadSession(head)
+        self.features = FeatureHistory(head.config.hidden_size)
+        self.vocab_size = vocab_size
+        self.drafted_through = 0  # tokens[:drafted_through] were committed at the last proposal
+
+    def add_features(self, features: TargetFeatures) -> None:
+        self.features.write(features)
+
+    def propose(self, num_draft_tokens: int) -> DraftProposal:
+        n = len(self.tokens) - 1
+        if num_draft_tokens <= 0 or n < 1 or self.features.length < 1:
+            return DraftProposal()  # nothing to draft from yet (no verdict's features)
+        if self.features.length > n:
+            raise ValueError(f"target_features: features up to position {self.features.length - 1} for "
+                             f"{len(self.tokens)} committed tokens (at most position {n - 1})")
+        choose, probs = None, None
+        if not self.params.greedy:
+            probs = []
+            base = len(self.tokens)
+
+            def choose(full_logits: torch.Tensor) -> int:
+                token, q = choose_draft(full_logits[None], self.params, self.vocab_size, base + len(probs))
+                probs.append(q)
+                return token
+
+        drafted = self.head_session.draft(self.tokens, self.features.view(), num_draft_tokens,
+                                          choose=choose, unchanged=self.drafted_through)
+        self.drafted_through = len(self.tokens) - self.assumed
+        return DraftProposal(drafted.token_ids, probs)
+
+    def close(self) -> None:
+        self.head_session.close()
+
+
+class EagleDrafter(Drafter):
+    """Feature-level drafting with a trained EAGLE head (``specdec train-draft eagle-train``)."""
+
+    name = "eagle"
+    supports_draft_ahead = False  # a block ahead would need features the verifier has not computed yet
+
+    def __init__(self, head: EagleHead, vocab_size: int, head_name: str = "eagle") -> None:
+        self.head = head.eval()
+        self.vocab_size = vocab_size
+        self.feature_size = head.config.hidden_size
+        self.head_name = head_name  # what GetInfo reports as the draft model
+
+    @classmethod
+    def load(cls, head_dir: str | Path, target) -> EagleDrafter:
+        """The head in ``head_dir`` over ``target``'s (a ``LoadedModel``) embedding and LM head rows."""
+        return cls(EagleHead.load(head_dir, target), target.vocab_size, f"eagle:{Path(head_dir).name}")
+
+    def start(self, prompt_ids: list[int], params: SamplingParams) -> DraftSession:
+        return EagleDraftSession(self.head, prompt_ids, params, self.vocab_size)
