@@ -53,11 +53,13 @@ class TargetSession:
     ``want_features``: each verdict also carries the target's features (``TargetFeatures``) at the
     committed positions no earlier verdict covered, up to the last committed token's predecessor
     (the last token's own feature comes from the next pass). Invariant: after a verdict, features
-    for positions 0 .. len(tokens) - 2 have been handed out exactly once, in order.
+    for positions 0 .. len(tokens) - 2 have been handed out exactly once, in order, except that the
+    prefill verdict carries at most ``feature_window`` positions (the prompt's last ones), so that
+    one message stays within gRPC's size limit whatever the prompt's length and the target's width.
     """
 
     def __init__(self, target: LoadedModel, prompt_ids: list[int], params: SamplingParams,
-                 want_features: bool = False) -> None:
+                 want_features: bool = False, feature_window: int | None = None) -> None:
         if not prompt_ids:
             raise ValueError("prompt_token_ids must not be empty")
         if want_features and not target.feature_size:
@@ -67,6 +69,7 @@ class TargetSession:
         self.tokens: list[int] = list(prompt_ids)
         self.kv = KVSession(target)
         self.want_features = want_features
+        self.feature_window = feature_window
         self.unsent: TargetFeatures | None = None  # features computed but not yet in a verdict
         self.features_sent = 0  # positions 0 .. features_sent - 1 went out in verdicts
 
@@ -99,10 +102,13 @@ class TargetSession:
         if not self.want_features:
             return None
         end = len(self.tokens) - 1
+        start = self.features_sent
+        if start == 0 and self.feature_window is not None:  # the prefill: the prompt's tail
+            start = max(0, end - self.feature_window)
         kept = self.unsent
-        if kept is None or kept.start > self.features_sent or kept.end < end:
-            raise RuntimeError(f"target features: positions {self.features_sent}..{end - 1} were not computed")
-        sent = TargetFeatures(self.features_sent, kept.values[self.features_sent - kept.start: end - kept.start])
+        if kept is None or kept.start > start or kept.end < end:
+            raise RuntimeError(f"target features: positions {start}..{end - 1} were not computed")
+        sent = TargetFeatures(start, kept.values[start - kept.start: end - kept.start])
         self.unsent, self.features_sent = None, end
         return sent
 

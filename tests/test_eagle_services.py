@@ -16,8 +16,11 @@ import torch
 from specdec.client import GatewayClient
 from specdec.drafters import NgramDrafter
 from specdec.eagle.features import teacher_force
-from specdec.engine import collect, run_sync
+from specdec.completion import CompletionBuilder
+from specdec.eagle.drafter import EagleDrafter
+from specdec.engine import LocalDrafter, LocalVerifier, collect, generate, run_sync
 from specdec.local import LocalEngine
+from specdec.policy import make_policy
 from specdec.models import load_model
 from specdec.prompts import encode_chat, encode_text
 from specdec.rpc import convert
@@ -82,6 +85,29 @@ def test_verdicts_carry_each_committed_position_feature_once_as_teacher_forcing_
     assert streamed.shape[0] == len(session.tokens) - 1
     forced = teacher_force(target, [session.tokens])[0]["features"].float()[:-1]
     torch.testing.assert_close(streamed, forced, rtol=2e-3, atol=2e-3)
+
+
+def test_a_windowed_prefill_sends_the_prompt_tail_and_the_head_drafts_from_it(tiny_target, head_dir):
+    """A verifier caps a verdict's features (a long prompt on a wide target would pass gRPC's message
+    limit): the prefill then carries the prompt's last positions only, the head starts its cache
+    there, and the output stays the target's."""
+    prompt = encode_text(tiny_target.tokenizer, PROMPTS[0])
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    session = TargetSession(tiny_target, prompt, params, want_features=True, feature_window=3)
+    first = session.prefill()
+    assert (first.features.start, len(first.features)) == (len(prompt) - 3, 3)
+    session.close()
+    drafter = EagleDrafter.load(head_dir, tiny_target)
+    results = {}
+    for window in (None, 3):
+        target_session = TargetSession(tiny_target, prompt, params, want_features=True, feature_window=window)
+        events = generate(prompt_tokens=len(prompt), completion=CompletionBuilder(tiny_target.tokenizer, params, tiny_target.eos_token_ids),
+                          verifier=LocalVerifier(target_session), drafter=LocalDrafter(drafter.start(prompt, params)),
+                          policy=make_policy(3), draft_method="eagle")
+        results[window] = run_sync(collect(events))
+    alone = run_sync(collect(LocalEngine(tiny_target).stream(prompt, params)))
+    assert results[None].token_ids == results[3].token_ids == alone.token_ids
+    assert results[3].stats.accepted_tokens > 0  # the head drafts from the tail alone, and is accepted
 
 
 def test_features_round_trip_the_wire_and_bad_ones_name_their_field():
@@ -176,6 +202,23 @@ def test_services_report_features_and_refuse_bad_ones_by_name(stack):
             list(stub.Draft(iter(gap), timeout=10))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "target_features.start_position" in info.value.details()
+
+
+def test_a_prompt_whose_features_pass_the_message_limit_streams_its_tail(tiny_pair, head_dir, tiny_target, tmp_path):
+    """With 64 KiB messages a 700-token prompt's features (700 x 64 x 2 bytes) do not fit one verdict:
+    the verifier sends the prompt's last 256 positions, and the request completes exactly."""
+    limit = ["--max-message-bytes", str(64 * 1024)]
+    stack = start_stack(tiny_pair[1], head_dir, tmp_path, drafter_method="eagle", verifier_args=limit,
+                        drafter_args=limit, gateway_args=limit)
+    try:
+        prompt = [3 + (i * 37) % (tiny_target.vocab_size - 3) for i in range(700)]
+        with GatewayClient(stack.gateway.address, timeout=60) as client:
+            result = client.generate(prompt_token_ids=prompt, max_new_tokens=24, method="eagle", num_draft_tokens=3)
+        assert result.token_ids == reference_greedy(tiny_target, prompt, 24)
+        row = tiny_target.model.config.hidden_size * 2
+        assert 256 * row <= result.stats["feature_bytes"] < (256 + 24 + 3 * result.stats["rounds"]) * row
+    finally:
+        stack.stop()
 
 
 def test_eagle_drafter_killed_mid_generation_output_stays_exact(tiny_pair, head_dir, tiny_target, tmp_path):

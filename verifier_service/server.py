@@ -55,6 +55,11 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
         log.info("forward cost over 1..%d tokens: %s ms", sizes,
                  " ".join(f"{t * 1e3:.1f}" for t in self.forward_cost_s))
 
+    def feature_window(self, lm: LoadedModel) -> int | None:
+        """The most feature positions a prefill verdict carries (a long prompt's tail): half the
+        message size limit (the gateway joins a few verdicts' features into one DraftPropose)."""
+        return max(64, self.runtime.options.max_message_bytes // 2 // (2 * lm.feature_size)) if lm.feature_size else None
+
     def _require_model(self) -> LoadedModel:
         if self.lm is None:
             raise NotReady("verifier model is still loading")
@@ -84,7 +89,8 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                         raise ValueError(f"sampling.max_new_tokens: {params.max_new_tokens} exceeds this verifier's "
                                          f"cap ({self.max_new_tokens_cap}; --max-new-tokens-cap)")
                     budget = len(prompt) + params.max_new_tokens  # the committed length never passes it
-                    session = TargetSession(lm, prompt, params, want_features=start.want_features)
+                    session = TargetSession(lm, prompt, params, want_features=start.want_features,
+                                            feature_window=self.feature_window(lm))
                     key = self.sessions.open(start.session_id, session, cancelled, peer=context.peer())
                     verdict, chunks = await self._prefill(session)
                     self.metrics.tokens.inc(len(verdict.tokens))

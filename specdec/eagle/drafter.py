@@ -21,12 +21,14 @@ from specdec.target_features import WIRE_DTYPE, TargetFeatures
 
 
 class FeatureHistory:
-    """The target's features for positions 0 .. length - 1, in a buffer that grows by doubling (a
-    round appends its few rows; nothing is copied per round beyond them)."""
+    """The target's features for positions first .. length - 1, in a buffer that grows by doubling
+    (a round appends its few rows; nothing is copied per round beyond them). ``first`` is 0 unless
+    the first features began later (a long prompt's are windowed: ``TargetSession``)."""
 
     def __init__(self, width: int) -> None:
         self.width = width
         self._rows = torch.empty((0, width), dtype=WIRE_DTYPE)
+        self.first = 0
         self.length = 0
 
     def write(self, features: TargetFeatures) -> None:
@@ -34,19 +36,23 @@ class FeatureHistory:
         if features.values.shape[1] != self.width:
             raise ValueError(f"target_features.hidden_size: {features.values.shape[1]}, this drafter's head "
                              f"reads {self.width}")
+        if self.length == 0:
+            self.first = self.length = features.start
         if features.start > self.length:
             raise ValueError(f"target_features.start_position: {features.start} leaves positions "
                              f"{self.length}..{features.start - 1} without features")
+        if features.start < self.first:  # earlier positions after all (a migrated verifier resends more)
+            self._rows, self.first, self.length = torch.empty((0, self.width), dtype=WIRE_DTYPE), features.start, features.start
         end = features.end
-        if end > self._rows.shape[0]:
-            grown = torch.empty((max(end, 2 * self._rows.shape[0], 256), self.width), dtype=WIRE_DTYPE)
-            grown[: self.length] = self._rows[: self.length]
+        if end - self.first > self._rows.shape[0]:
+            grown = torch.empty((max(end - self.first, 2 * self._rows.shape[0], 256), self.width), dtype=WIRE_DTYPE)
+            grown[: self.length - self.first] = self._rows[: self.length - self.first]
             self._rows = grown
-        self._rows[features.start: end] = features.values.to(WIRE_DTYPE)
+        self._rows[features.start - self.first: end - self.first] = features.values.to(WIRE_DTYPE)
         self.length = max(self.length, end)
 
     def view(self) -> torch.Tensor:
-        return self._rows[: self.length]
+        return self._rows[: self.length - self.first]
 
 
 class EagleDraftSession(DraftSession):
@@ -64,7 +70,7 @@ class EagleDraftSession(DraftSession):
 
     def propose(self, num_draft_tokens: int) -> DraftProposal:
         n = len(self.tokens) - 1
-        if num_draft_tokens <= 0 or n < 1 or self.features.length < 1:
+        if num_draft_tokens <= 0 or n < 1 or self.features.length <= self.features.first:
             return DraftProposal()  # nothing to draft from yet (no verdict's features)
         if self.features.length > n:
             raise ValueError(f"target_features: features up to position {self.features.length - 1} for "
@@ -80,7 +86,8 @@ class EagleDraftSession(DraftSession):
                 return token
 
         drafted = self.head_session.draft(self.tokens, self.features.view(), num_draft_tokens,
-                                          choose=choose, unchanged=self.drafted_through)
+                                          features_start=self.features.first, choose=choose,
+                                          unchanged=self.drafted_through)
         self.drafted_through = len(self.tokens) - self.assumed
         return DraftProposal(drafted.token_ids, probs)
 

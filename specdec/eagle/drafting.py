@@ -56,22 +56,25 @@ class Drafted:
 class HeadSession:
     """Incremental drafting for one sequence with the head's KV cache.
 
-    Invariant between calls: the cache holds positions 1..m, position s fed with (x_s, the target's
-    f_{s-1}), and ``tokens`` == x_0..x_m. A call rolls back to the prefix its tokens share, feeds the
-    newly settled positions in one pass, drafts (its own features past the target's), then crops back
-    to the settled positions: drafted positions are recomputed from the target's features later.
+    Invariant between calls: the cache holds positions base+1..m, position s fed with (x_s, the
+    target's f_{s-1}), and ``tokens`` == x_0..x_m. A call rolls back to the prefix its tokens share,
+    feeds the newly settled positions in one pass, drafts (its own features past the target's), then
+    crops back to the settled positions: drafted positions are recomputed from the target's features
+    later. ``base`` is 0 unless the target's features began later (a long prompt's are windowed, see
+    ``TargetSession``): the head then attends from there on only, which changes its drafts, never the output.
     """
 
     def __init__(self, head: EagleHead) -> None:
         self.head = head
         self.cache = HeadCache()
         self.tokens: list[int] = []
+        self.base = 0
 
     def step(self, token_ids: list[int], features: torch.Tensor) -> torch.Tensor:
         """Feed positions m+1..m+N (tokens ``token_ids``, previous features ``features`` [N, H]) after
         the cache; return g [N, H]."""
         head = self.head
-        start = self.cache.length + 1
+        start = self.base + self.cache.length + 1
         ids = torch.tensor([token_ids], dtype=torch.long, device=head.embed_weight.device)
         positions = torch.arange(start, start + len(token_ids), device=ids.device)
         cos, sin = head.rope(positions)
@@ -101,11 +104,12 @@ class HeadSession:
             raise ValueError("drafting needs one committed token after the first and the target's feature before it")
         same = min(unchanged, len(self.tokens), len(tokens))
         same += common_prefix_length(self.tokens[same:], tokens[same:])
-        keep = min(max(same - 1, 0), self.cache.length, settle - 1)
-        if keep < features_start:
-            raise ValueError(f"positions {keep + 1}..{settle} need the target's features from position {keep}, "
-                             f"given from {features_start}")
-        self.cache.crop(keep)
+        keep = min(max(same - 1, 0), self.base + self.cache.length, settle - 1)
+        if keep < max(features_start, self.base):  # no features from keep on, or the cache starts later
+            if features_start > settle - 1:
+                raise ValueError(f"positions {features_start + 1}..{settle} lack the target's feature before them")
+            self.cache, self.base, keep = HeadCache(), features_start, features_start
+        self.cache.crop(keep - self.base)
         dtype = self.head.fc.weight.dtype
         g = self.step(tokens[keep + 1: settle + 1], features[keep - features_start: settle - features_start].to(dtype))[-1]
         cut = min(keep + 1, same)  # self.tokens[:same] already equal tokens[:same]
@@ -123,9 +127,10 @@ class HeadSession:
             drafts.append(token)
             if j < k - 1:
                 g = self.step([token], g[None])[-1]
-        self.cache.crop(settle)
+        self.cache.crop(settle - self.base)
         return Drafted(drafts, torch.stack(chain) if chain else features.new_zeros((0, features.shape[-1])))
 
     def close(self) -> None:
         self.cache = HeadCache()
         self.tokens = []
+        self.base = 0
