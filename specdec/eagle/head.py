@@ -214,6 +214,7 @@ class EagleHead(nn.Module):
         self.layer = DecoderLayer(config)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, len(ids), bias=False)
+        self._lm_head_columns: torch.Tensor | None = None  # ``for_drafting``
         self.set_lm_head_trainable(config.train_lm_head)
 
     def set_lm_head_trainable(self, trainable: bool) -> None:
@@ -260,9 +261,10 @@ class EagleHead(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def load(cls, directory: str | Path, target) -> EagleHead:
+    def load(cls, directory: str | Path, target, max_head_tokens: int | None = None) -> EagleHead:
         """The head saved in ``directory``, in fp32, with ``target``'s embedding (and LM head rows
-        unless the saved head trained its own)."""
+        unless the saved head trained its own). ``max_head_tokens``: keep only the first that many
+        head ids (saved most frequent first, after the end-of-sequence ids): a cheaper LM head."""
         from safetensors.torch import load_file
 
         directory = Path(directory)
@@ -275,10 +277,13 @@ class EagleHead(nn.Module):
         if (expected.hidden_size, expected.vocab_size) != (config.hidden_size, config.vocab_size):
             raise ValueError(f"{directory}: head for hidden {config.hidden_size} / vocab {config.vocab_size}, target "
                              f"has {expected.hidden_size} / {expected.vocab_size}")
-        ids = torch.tensor(json.loads((directory / HEAD_TOKEN_IDS_FILE).read_text()), dtype=torch.long)
+        saved_ids = torch.tensor(json.loads((directory / HEAD_TOKEN_IDS_FILE).read_text()), dtype=torch.long)
+        ids = saved_ids[:max_head_tokens]
         embedding = causal.get_input_embeddings().weight
         head = cls(config, ids, embedding).to(embedding.device)
         state = {k: v.float() for k, v in load_file(str(directory / WEIGHTS_FILE)).items()}
+        if config.train_lm_head:
+            state["lm_head.weight"] = state["lm_head.weight"][: len(ids)]
         if not config.train_lm_head:
             state["lm_head.weight"] = causal.get_output_embeddings().weight[head.head_token_ids].float()
         head.load_state_dict(state, strict=True)
@@ -305,7 +310,16 @@ class EagleHead(nn.Module):
 
     def token_logits(self, g: torch.Tensor) -> torch.Tensor:
         """Logits over the reduced head (column j is token ``head_token_ids[j]``)."""
+        if self._lm_head_columns is not None and not self.training:
+            return self.norm(g) @ self._lm_head_columns
         return self.lm_head(self.norm(g))
+
+    def for_drafting(self) -> EagleHead:
+        """Eval mode, with the LM head also kept as columns: one token's logits then read the weight
+        in the order a row-vector product wants (~2x faster on CPU at 8k ids). Returns self."""
+        self.eval()
+        self._lm_head_columns = self.lm_head.weight.detach().T.contiguous()
+        return self
 
     def full_logits(self, g: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the target's whole width; ids outside the head get -inf (q = 0 there)."""

@@ -137,14 +137,28 @@ def split_records(records: list[dict], holdout: int, seed: int) -> tuple[list[di
     return [r for r in order if id(r) in held], [r for r in order if id(r) not in held]
 
 
-def frequent_ids(records: list[dict], size: int, vocab: int, always: list[int]) -> list[int]:
-    """FR-Spec: the ``size`` ids most frequent among the records' tokens and labels, plus ``always``."""
+def id_counts(records: list[dict], vocab: int) -> torch.Tensor:
+    """How often each id occurs among the records' tokens and labels."""
     counts = torch.zeros(vocab, dtype=torch.long)
     for r in records:
         counts += torch.bincount(r["labels"].long().clamp(max=vocab - 1), minlength=vocab)
         counts += torch.bincount(r["input_ids"].long().clamp(max=vocab - 1), minlength=vocab)
+    return counts
+
+
+def frequent_ids(records: list[dict], size: int, vocab: int, always: list[int]) -> list[int]:
+    """FR-Spec: the ``size`` ids most frequent among the records' tokens and labels, plus ``always``."""
+    counts = id_counts(records, vocab)
     chosen = set(counts.topk(min(size, vocab)).indices.tolist()) | set(always)
     return sorted(chosen)
+
+
+def by_frequency(ids: list[int], counts: torch.Tensor, first: list[int]) -> list[int]:
+    """``ids`` with ``first`` (end-of-sequence ids) leading, then most frequent first: a drafter may
+    keep a prefix of the saved list as a smaller head (``EagleHead.load(max_head_tokens=)``)."""
+    leading = [i for i in first if i in set(ids)]
+    rest = sorted(set(ids) - set(leading), key=lambda i: (-int(counts[i]), i))
+    return leading + rest
 
 
 def default_head_ids_file(target: str) -> Path | None:
@@ -216,6 +230,8 @@ def main(argv=None) -> int:
         ids = json.loads((args.head_ids or default_head_ids_file(args.target)).read_text())
     else:
         ids = frequent_ids(train, args.head_tokens, target.vocab_size, list(target.eos_token_ids))
+    if state is None:
+        ids = by_frequency(ids, id_counts(train, target.vocab_size), list(target.eos_token_ids))
     train_lm_head = state["config"]["train_lm_head"] if state is not None else args.train_lm_head
     head = EagleHead.from_target(target, ids, train_lm_head=train_lm_head)
     position_of = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
