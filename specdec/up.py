@@ -30,8 +30,9 @@ def add_arguments(up: argparse.ArgumentParser, default_target: str) -> None:
     up.add_argument("--target", default=default_target)
     up.add_argument("--draft-model", default=None,
                     help="draft model (default: the shipped draft for the embedded target, else n-gram lookup)")
-    up.add_argument("--draft-method", choices=["auto", "model", "ngram", "replay"], default="auto",
-                    help="auto: model if there is a draft model, else ngram (never replay, which is for benchmarks)")
+    up.add_argument("--draft-method", choices=["auto", "model", "eagle", "ngram", "replay"], default="auto",
+                    help="auto: model if there is a draft model, else ngram (never replay, which is for benchmarks); "
+                         "eagle: --draft-model is an EAGLE head directory for --target")
     up.add_argument("--replay-file", default=None,
                     help="--draft-method replay: the file specdec bench writes (recordings, acceptance, cost)")
     up.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=False)
@@ -180,11 +181,16 @@ def children(args) -> list[ChildSpec]:
     method = args.draft_method if args.draft_method != "auto" else ("model" if draft_model else "ngram")
     if method == "model" and not draft_model:
         raise SystemExit("error: --draft-method model needs --draft-model (no shipped draft for this target)")
+    if method == "eagle" and not args.draft_model:
+        raise SystemExit("error: --draft-method eagle needs --draft-model: an EAGLE head directory")
     if method == "replay" and not getattr(args, "replay_file", None):
         raise SystemExit("error: --draft-method replay needs --replay-file")
     drafter_cmd = base + ["drafter", "--host", host, "--port", str(drafter_port), "--threads",
                           str(args.drafter_threads), "--method", method,
                           "--draft-model", draft_model if method == "model" else args.target]
+    if method == "eagle":  # the head, over the target's embedding
+        drafter_cmd[-1] = os.path.abspath(args.draft_model)
+        drafter_cmd += ["--target", args.target]
     if method == "replay":
         drafter_cmd += ["--replay-file", os.path.abspath(args.replay_file)]
     if args.drafter_device:

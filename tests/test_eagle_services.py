@@ -241,3 +241,22 @@ def test_eagle_drafter_killed_mid_generation_output_stays_exact(tiny_pair, head_
         assert final.stats["draft_method"] == "eagle"
     finally:
         stack.stop()
+
+
+def test_specdec_up_serves_an_eagle_head_and_auto_drafts_with_it(tiny_pair, head_dir, tiny_target):
+    """``specdec up --draft-method eagle``: the drafter serves the head over the target, and a request
+    that leaves the method to the gateway (auto) drafts with it, exactly."""
+    from specdec.cli import build_parser
+    from specdec.stack import LocalStack
+    from specdec.up import children
+
+    args = ["--target", str(tiny_pair[1]), "--draft-method", "eagle", "--draft-model", str(head_dir)]
+    drafter = next(spec for spec in children(build_parser().parse_args(["up", *args])) if spec.name == "drafter")
+    assert drafter.command[drafter.command.index("--method") + 1] == "eagle"
+    assert drafter.command[drafter.command.index("--draft-model") + 1] == str(head_dir.resolve())
+    with pytest.raises(SystemExit, match="needs --draft-model"):
+        children(build_parser().parse_args(["up", "--target", str(tiny_pair[1]), "--draft-method", "eagle"]))
+    with LocalStack(args, quiet=True) as address, GatewayClient(address, timeout=60) as client:
+        result = client.generate(prompt=PROMPTS[0], max_new_tokens=NEW_TOKENS, num_draft_tokens=3)
+    assert result.stats["draft_method"] == "eagle" and result.stats["accepted_tokens"] > 0
+    assert result.token_ids == reference_greedy(tiny_target, result.prompt_token_ids, NEW_TOKENS)

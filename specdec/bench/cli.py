@@ -77,6 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=None, help="per-request deadline in seconds (gateway)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
                    help="weights' dtype for local models and the --up stack (default $SPECDEC_DTYPE, else auto)")
+    p.add_argument("--eagle-head", default=None, metavar="DIR",
+                   help="with --up: the stack's drafter is this EAGLE head (gateway systems draft with it; "
+                        "hf-assisted keeps the independent draft)")
     p.add_argument("--up", action="store_true",
                    help="start a local stack (`specdec up` with --target/--draft-model/--net-delay/--draft-ahead) "
                         "for the gateway systems, and stop it afterwards")
@@ -137,6 +140,8 @@ def validate_args(args) -> None:
         raise ValueError("--up starts its own gateway: not with --local or --gateway")
     if getattr(args, "emulate_machines", False) and not args.up:
         raise ValueError("--emulate-machines partitions the stack --up starts: it needs --up")
+    if getattr(args, "eagle_head", None) and not args.up:
+        raise ValueError("--eagle-head is the drafter of the stack --up starts: it needs --up")
     if is_synthetic(args.target):
         parse_synthetic(args.target)  # a bad name fails before any stack starts
     validate_replay_args(args)
@@ -203,6 +208,8 @@ def start_local_stack(args):
         up_args += ["--emulate-machines"]
     if replay_requested(args):
         up_args += ["--draft-method", "replay", "--replay-file", args.replay_file]
+    elif getattr(args, "eagle_head", None):
+        up_args += ["--draft-method", "eagle", "--draft-model", args.eagle_head]
     stack = LocalStack(up_args, quiet=True)
     log.info("starting a local stack: specdec up %s", " ".join(up_args))
     return stack, stack.__enter__()

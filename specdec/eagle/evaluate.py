@@ -119,15 +119,16 @@ def step_times(head: EagleHead, target, prefix: int = 64, reps: int = 30) -> dic
     tokens = torch.randint(1, vocab, (prefix + 2,), generator=gen).tolist()
     features = torch.randn((prefix, head.config.hidden_size), generator=gen)
     session = HeadSession(head)
-    g = session.step(tokens[1: prefix + 1], features)[-1]
-    token = int(head.greedy_tokens(g))  # the draft a step feeds comes from the step before
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        out = session.step([token], g[None])[-1]  # one drafting step: fusion, layer, norm, LM head, argmax
-        int(head.greedy_tokens(out))
-        best = min(best, time.perf_counter() - start)
-        session.cache.crop(prefix)
+    with torch.inference_mode():  # as drafting runs it
+        g = session.step(tokens[1: prefix + 1], features)[-1]
+        token = int(head.greedy_tokens(g))  # the draft a step feeds comes from the step before
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            out = session.step([token], g[None])[-1]  # one drafting step: fusion, layer, norm, LM head, argmax
+            int(head.greedy_tokens(out))
+            best = min(best, time.perf_counter() - start)
+            session.cache.crop(prefix)
     target_s = measure_forward_curve(target, 1, prefix=prefix, reps=reps)[0]
     return {"head_step_ms": best * 1e3, "target_step_ms": target_s * 1e3, "ratio": best / target_s,
             "prefix": prefix, "threads": torch.get_num_threads(), "target_runtime": target.runtime}
@@ -173,6 +174,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("-k", "--num-draft-tokens", type=int, default=5)
     p.add_argument("--timing", action="store_true", help="time one head step against one target step")
+    p.add_argument("--max-head-tokens", type=int, default=None,
+                   help="keep the head's first N ids (most frequent first), as the eagle drafter does (8192)")
     p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
@@ -182,8 +185,9 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_model(args.target, device="cpu")
-    head = EagleHead.load(args.head, target).eval()
-    report: dict = {"head": str(args.head), "target": args.target, "k": args.num_draft_tokens}
+    head = EagleHead.load(args.head, target, args.max_head_tokens).for_drafting()
+    report: dict = {"head": str(args.head), "target": args.target, "k": args.num_draft_tokens,
+                    "head_tokens": len(head.head_token_ids)}
     sets: dict[str, list[dict]] = {}
     if args.heldout:
         held = json.loads(args.heldout.read_text())
