@@ -236,6 +236,26 @@ def test_training_resumes_at_the_saved_step(target, tiny_pair, tmp_path):
     assert len(held["keys"]) == 2 and (tmp_path / "split" / "best" / "config.json").exists()
 
 
+def test_a_later_stage_starts_from_the_earlier_head_and_keeps_its_held_out_sequences(target, tiny_pair, tmp_path):
+    """A curriculum (text first, then the target's answers): stage 2 starts from stage 1's head (its
+    step-0 held-out numbers are stage 1's last) and holds out exactly stage 1's sequences."""
+    records = [{"key": f"k{i:02d}", "source": "s", "prompt_ids": seq[:5], "output_ids": seq[5:]}
+               for i, seq in enumerate(random_sequences(10, 4, target.vocab_size, 10, 20))]
+    features = tmp_path / "features"
+    write_feature_shards(target, records, features, 4, 256)
+    common = ["--features", str(features), "--target", str(tiny_pair[1]), "--steps", "4", "--token-budget", "48",
+              "--eval-every", "4", "--dtype", "float32", "--head-tokens", "300", "--warmup", "1", "--lr", "2e-3"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert eagle_train.main(common + ["--out", str(one), "--holdout", "3"]) == 0
+    assert eagle_train.main(common + ["--out", str(two), "--init", str(one / "head"),
+                                      "--heldout-from", str(one / "heldout.json"), "--seed", "5"]) == 0
+    assert sorted(json.loads((two / "heldout.json").read_text())["keys"]) == sorted(json.loads((one / "heldout.json").read_text())["keys"])
+    last_of_one = [json.loads(line) for line in (one / "train_log.jsonl").read_text().splitlines()][-1]["eval"]
+    first_of_two = json.loads((two / "train_log.jsonl").read_text().splitlines()[0])["eval"]
+    assert first_of_two["acc1"] == pytest.approx(last_of_one["acc1"], abs=1e-6)
+    assert first_of_two["loss"] == pytest.approx(last_of_one["loss"], rel=1e-3)  # fp16 save of the weights
+
+
 def greedy_record(length=20, answer_start=6, vocab=50):
     """A record whose text is its own greedy path: x[m + 1] == labels[m]."""
     rng = random.Random(0)

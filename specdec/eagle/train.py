@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from specdec.distill.train import budget_batches
 from specdec.eagle.features import read_feature_shards
 from specdec.eagle.head import EagleHead
+from specdec.lm import HEAD_TOKEN_IDS_FILE
 
 
 @dataclass
@@ -179,6 +180,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-tokens", type=int, default=16384)
     p.add_argument("--train-lm-head", action="store_true",
                    help="train the reduced LM head and final norm too (then they are saved: +2*H*ids bytes)")
+    p.add_argument("--init", type=Path, default=None,
+                   help="start from this saved head (a later stage of a curriculum: text first, then the target's answers)")
+    p.add_argument("--heldout-from", type=Path, default=None,
+                   help="an earlier stage's heldout.json: hold out exactly its sequences (instead of --holdout)")
     p.add_argument("--depth", type=int, default=3, help="training-time-test steps (EAGLE-3)")
     p.add_argument("--depth-decay", type=float, default=0.8)
     p.add_argument("--feature-weight", type=float, default=1.0)
@@ -214,7 +219,11 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     records = read_feature_shards(args.features)
-    held, train = split_records(records, args.holdout, args.seed)
+    if args.heldout_from:  # a later stage keeps the earlier stage's held-out sequences out
+        keys = set(json.loads(args.heldout_from.read_text())["keys"])
+        held, train = [r for r in records if r["key"] in keys], [r for r in records if r["key"] not in keys]
+    else:
+        held, train = split_records(records, args.holdout, args.seed)
     if not train:
         raise SystemExit("no training sequences (check --features and --holdout)")
     (args.out / "heldout.json").write_text(json.dumps({"features": [str(f) for f in args.features],
@@ -226,14 +235,20 @@ def main(argv=None) -> int:
     state = torch.load(checkpoint_path, weights_only=False) if checkpoint_path.exists() else None
     if state is not None:
         ids = state["head_token_ids"]
+    elif args.init:  # a later stage: the earlier head's ids, in its order
+        ids = json.loads((args.init / HEAD_TOKEN_IDS_FILE).read_text())
     elif args.head_ids or default_head_ids_file(args.target):
         ids = json.loads((args.head_ids or default_head_ids_file(args.target)).read_text())
     else:
         ids = frequent_ids(train, args.head_tokens, target.vocab_size, list(target.eos_token_ids))
-    if state is None:
+    if state is None and not args.init:
         ids = by_frequency(ids, id_counts(train, target.vocab_size), list(target.eos_token_ids))
-    train_lm_head = state["config"]["train_lm_head"] if state is not None else args.train_lm_head
-    head = EagleHead.from_target(target, ids, train_lm_head=train_lm_head)
+    if state is None and args.init:
+        head = EagleHead.load(args.init, target)
+        print(f"stage starts from {args.init}")
+    else:
+        train_lm_head = state["config"]["train_lm_head"] if state is not None else args.train_lm_head
+        head = EagleHead.from_target(target, ids, train_lm_head=train_lm_head)
     position_of = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
     position_of[head.head_token_ids] = torch.arange(len(head.head_token_ids))
     trainable = [q for q in head.parameters() if q.requires_grad]
@@ -247,7 +262,7 @@ def main(argv=None) -> int:
         step, epoch, batch_index = state["step"], state["epoch"], state["batch_index"]
         elapsed_before, tokens_seen = state["elapsed_s"], state["tokens_seen"]
         print(f"resumed at step {step}")
-    else:
+    elif not args.init:
         sample = torch.cat([r["features"] for r in train[:64]])
         embedding_rms = float(head.embed_weight.float().pow(2).mean(-1).sqrt().mean())
         print(f"fusion: features' mean RMS {head.calibrate(sample):.3f}, embeddings' {embedding_rms:.4f}")
