@@ -9,7 +9,7 @@ import time
 from specdec import telemetry
 from specdec.drafters import Drafter, DraftSession, ModelDrafter, NgramDrafter
 from specdec.eagle.drafter import EagleDrafter
-from specdec.models import EMBEDDED_DRAFT, EMBEDDED_TARGET, LoadedModel, load_model, load_tokenizer, tokenizer_fingerprint
+from specdec.models import EMBEDDED_DRAFT, EMBEDDED_TARGET, LoadedModel, default_eagle_head, load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.replay import REPLAY_WIRE_METHOD, ReplayDrafter
 from specdec.rpc import convert
 from specdec.rpc.scheduler import BatchingOptions
@@ -38,8 +38,10 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
                    replay_file: str | None = None, target: str | None = None) -> None:
         loop = asyncio.get_running_loop()
         if method == "eagle":
+            draft_model = draft_model or default_eagle_head(target or EMBEDDED_TARGET)
             if not draft_model:
-                raise SystemExit("--method eagle needs --draft-model: an EAGLE head directory (specdec train-draft eagle-train)")
+                raise SystemExit("--method eagle needs --draft-model: an EAGLE head directory (specdec train-draft "
+                                 "eagle-train); only the embedded target has a shipped one")
             self.lm = await loop.run_in_executor(self.executor, lambda: load_model(target or EMBEDDED_TARGET, device=device,
                                                                                  runtime="hf"))
             self.drafter = await loop.run_in_executor(self.executor, EagleDrafter.load, draft_model, self.lm)

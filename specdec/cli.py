@@ -238,12 +238,14 @@ def _generate_local(args) -> int:
         check_compatible(target, draft)
         drafter = ModelDrafter(draft)
     elif method == "eagle":
-        if not args.draft_model:
+        from specdec.eagle.drafter import EagleDrafter
+        from specdec.models import default_eagle_head
+
+        head = args.draft_model or default_eagle_head(args.target)
+        if not head:
             print("error: --draft eagle needs --draft-model: an EAGLE head directory", file=sys.stderr)
             return 2
-        from specdec.eagle.drafter import EagleDrafter
-
-        drafter = EagleDrafter.load(args.draft_model, target)
+        drafter = EagleDrafter.load(head, target)
     elif method == "ngram":
         drafter = NgramDrafter()
     tokenizer = target.tokenizer

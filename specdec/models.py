@@ -28,6 +28,8 @@ CACHE_ENV = "SPECDEC_CACHE_DIR"
 # The draft distilled from the embedded target, shipped inside the package (specdec/drafts/, model card there).
 EMBEDDED_DRAFT = "embedded-draft"
 EMBEDDED_DRAFT_DIR = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-draft"
+EMBEDDED_EAGLE = "embedded-eagle"  # the shipped EAGLE head for the embedded target (drafter --method eagle)
+EMBEDDED_EAGLE_DIR = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-eagle"
 MAX_VOCAB_PADDING = 128
 # Families whose per-token state is recurrent (state-space, RWKV, linear attention, hybrids of them):
 # a rejected draft's update to that state cannot be taken back by cutting a length.
@@ -161,7 +163,16 @@ def resolve_model_path(name_or_path: str) -> str:
         return str(embedded_model_dir())
     if name_or_path == EMBEDDED_DRAFT:
         return str(EMBEDDED_DRAFT_DIR)
+    if name_or_path == EMBEDDED_EAGLE:
+        return str(EMBEDDED_EAGLE_DIR)
     return name_or_path
+
+
+def default_eagle_head(target: str) -> str | None:
+    """The head ``--method eagle`` uses when none is named: the shipped one for the embedded target."""
+    if target in EMBEDDED_ALIASES and (EMBEDDED_EAGLE_DIR / "model.safetensors").exists():
+        return EMBEDDED_EAGLE
+    return None
 
 
 def default_draft_model(target: str) -> str | None:

@@ -166,7 +166,7 @@ def service_token_env(args) -> dict[str, str]:
 
 def children(args) -> list[ChildSpec]:
     """The three services' commands (raises SystemExit for a draft method that cannot run)."""
-    from specdec.models import default_draft_model
+    from specdec.models import EMBEDDED_EAGLE, default_draft_model, default_eagle_head
 
     host, gateway_port = args.host, args.port
     drafter_port, verifier_port = gateway_port + 1, gateway_port + 2
@@ -181,15 +181,17 @@ def children(args) -> list[ChildSpec]:
     method = args.draft_method if args.draft_method != "auto" else ("model" if draft_model else "ngram")
     if method == "model" and not draft_model:
         raise SystemExit("error: --draft-method model needs --draft-model (no shipped draft for this target)")
-    if method == "eagle" and not args.draft_model:
-        raise SystemExit("error: --draft-method eagle needs --draft-model: an EAGLE head directory")
+    eagle_head = args.draft_model or default_eagle_head(args.target)
+    if method == "eagle" and not eagle_head:
+        raise SystemExit("error: --draft-method eagle needs --draft-model: an EAGLE head directory "
+                         "(only the embedded target has a shipped one)")
     if method == "replay" and not getattr(args, "replay_file", None):
         raise SystemExit("error: --draft-method replay needs --replay-file")
     drafter_cmd = base + ["drafter", "--host", host, "--port", str(drafter_port), "--threads",
                           str(args.drafter_threads), "--method", method,
                           "--draft-model", draft_model if method == "model" else args.target]
     if method == "eagle":  # the head, over the target's embedding
-        drafter_cmd[-1] = os.path.abspath(args.draft_model)
+        drafter_cmd[-1] = eagle_head if eagle_head == EMBEDDED_EAGLE else os.path.abspath(eagle_head)
         drafter_cmd += ["--target", args.target]
     if method == "replay":
         drafter_cmd += ["--replay-file", os.path.abspath(args.replay_file)]

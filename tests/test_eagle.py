@@ -192,7 +192,8 @@ def test_feature_shards_resume(target, tmp_path):
     assert [r["answer_start"] for r in read] == [4] * 5
 
 
-def test_training_steps_reduce_the_loss(target):
+@pytest.mark.parametrize("soft_labels", [False, True])
+def test_training_steps_reduce_the_loss(target, soft_labels):
     torch.manual_seed(0)
     records = feature_records(target)
     head = EagleHead.from_target(target, list(range(target.vocab_size)))
@@ -200,16 +201,18 @@ def test_training_steps_reduce_the_loss(target):
     batch = eagle_train.collate(records)
     trainable = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=3e-3)
-    first, _ = eagle_train.batch_loss(head, batch, position_of, depth=3)
+    first, first_info = eagle_train.batch_loss(head, batch, position_of, depth=3, soft_labels=soft_labels)
     for _ in range(25):
-        loss, info = eagle_train.batch_loss(head, batch, position_of, depth=3)
+        loss, info = eagle_train.batch_loss(head, batch, position_of, depth=3, soft_labels=soft_labels)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    last, info = eagle_train.batch_loss(head, batch, position_of, depth=3)
+    last, info = eagle_train.batch_loss(head, batch, position_of, depth=3, soft_labels=soft_labels)
     first, last = float(first.detach()), float(last.detach())
-    assert last < 0.6 * first, (first, last)
-    assert info["acc1"] > 0.5
+    # Soft labels: the cross-entropy's floor is p's own entropy, so the loss falls less far.
+    assert last < (0.8 if soft_labels else 0.6) * first, (first, last)
+    # The tiny random target's p is nearly flat: matching it moves the argmax more slowly than its labels.
+    assert info["acc1"] > (max(0.15, 2 * first_info["acc1"]) if soft_labels else 0.5), (first_info["acc1"], info["acc1"])
     assert not any(p.grad is not None for p in (head.lm_head.weight, head.norm.weight))  # frozen by default
 
 

@@ -116,8 +116,10 @@ class EagleDrafter(Drafter):
     def load(cls, head_dir: str | Path, target, max_head_tokens: int | None = DRAFTING_HEAD_TOKENS) -> EagleDrafter:
         """The head in ``head_dir`` over ``target``'s (a ``LoadedModel``) embedding and LM head rows,
         its LM head cut to the ``max_head_tokens`` most frequent ids (None: all it was trained with)."""
-        head = EagleHead.load(head_dir, target, max_head_tokens)
-        return cls(head, target.vocab_size, f"eagle:{Path(head_dir).name}")
+        from specdec.models import resolve_model_path
+
+        head = EagleHead.load(resolve_model_path(str(head_dir)), target, max_head_tokens)
+        return cls(head, target.vocab_size, f"eagle:{Path(str(head_dir)).name}")
 
     def start(self, prompt_ids: list[int], params: SamplingParams) -> DraftSession:
         return EagleDraftSession(self.head, prompt_ids, params, self.vocab_size)

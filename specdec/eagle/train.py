@@ -72,9 +72,20 @@ def make_batches(records: list[dict], token_budget: int, rng: random.Random) -> 
 
 
 def batch_loss(head: EagleHead, batch: Batch, position_of: torch.Tensor, depth: int, depth_decay: float = 0.8,
-               feature_weight: float = 1.0, prompt_weight: float = 1.0) -> tuple[torch.Tensor, dict]:
-    """The training-time-test loss and per-depth teacher-forced agreement (answer rows)."""
+               feature_weight: float = 1.0, prompt_weight: float = 1.0, soft_labels: bool = False) -> tuple[torch.Tensor, dict]:
+    """The training-time-test loss and per-depth teacher-forced agreement (answer rows).
+
+    Token loss: cross-entropy against the target's greedy token, or (``soft_labels``, EAGLE-1's
+    classification loss) against the target's whole distribution over the head's ids, read from the
+    target's own feature f_s through the head's frozen norm and LM head (the target's rows): p itself,
+    restricted to the head, at no cost beyond one product, and far more signal per token than its argmax."""
     unrolled = head.unroll(batch.tokens, batch.features_in, batch.positions, depth)
+    soft = None
+    if soft_labels:
+        if head.config.train_lm_head:
+            raise ValueError("soft labels read p through the head's LM head: it must stay the target's (frozen)")
+        with torch.no_grad():
+            soft = torch.softmax(head.token_logits(batch.features_out).float(), dim=-1)  # [B, N, head ids]
     scale = batch.features_out[batch.mask].pow(2).mean().sqrt().clamp(min=1e-6)
     rows = torch.arange(batch.tokens.shape[1])
     weights = torch.where(batch.answer, 1.0, prompt_weight)
@@ -86,7 +97,11 @@ def batch_loss(head: EagleHead, batch: Batch, position_of: torch.Tensor, depth: 
         target_rows = position_of[batch.labels[valid]]  # -1: the label is outside the head
         logits = head.token_logits(g[valid]).float()
         known = target_rows >= 0
-        ce = F.cross_entropy(logits[known], target_rows[known], reduction="none")
+        if soft is not None:
+            known = torch.ones_like(known)
+            ce = -(soft[valid] * F.log_softmax(logits, dim=-1)).sum(-1)
+        else:
+            ce = F.cross_entropy(logits[known], target_rows[known], reduction="none")
         ce = (ce * w[known]).sum() / w[known].sum().clamp(min=1e-6)
         feat = F.smooth_l1_loss(g[valid].float() / scale, batch.features_out[valid] / scale, reduction="none").mean(-1)
         feat = (feat * w).sum() / w.sum().clamp(min=1e-6)
@@ -184,6 +199,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start from this saved head (a later stage of a curriculum: text first, then the target's answers)")
     p.add_argument("--heldout-from", type=Path, default=None,
                    help="an earlier stage's heldout.json: hold out exactly its sequences (instead of --holdout)")
+    p.add_argument("--soft-labels", action="store_true",
+                   help="token loss against the target's distribution over the head's ids (EAGLE-1), not its argmax")
     p.add_argument("--depth", type=int, default=3, help="training-time-test steps (EAGLE-3)")
     p.add_argument("--depth-decay", type=float, default=0.8)
     p.add_argument("--feature-weight", type=float, default=1.0)
@@ -267,7 +284,8 @@ def main(argv=None) -> int:
         embedding_rms = float(head.embed_weight.float().pow(2).mean(-1).sqrt().mean())
         print(f"fusion: features' mean RMS {head.calibrate(sample):.3f}, embeddings' {embedding_rms:.4f}")
     print(f"head: {sum(q.numel() for q in trainable) / 1e6:.2f} M trainable parameters, {len(ids)} head ids")
-    loss_kwargs = dict(depth_decay=args.depth_decay, feature_weight=args.feature_weight, prompt_weight=args.prompt_weight)
+    loss_kwargs = dict(depth_decay=args.depth_decay, feature_weight=args.feature_weight, prompt_weight=args.prompt_weight,
+                       soft_labels=args.soft_labels)
     budget_s = args.max_minutes * 60
 
     def lr_at(s: int) -> float:
