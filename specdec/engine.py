@@ -232,6 +232,7 @@ class RoundRecord:
     draft_s: float  # time in drafter.propose (0 when k = 0)
     verify_s: float  # time in verifier.verify
     started: float  # time.perf_counter() when the round began
+    feature_bytes: int = 0  # target features its verdict carried (feature-level drafting)
 
 
 @dataclass
@@ -346,7 +347,8 @@ async def generate(
             if on_round is not None:
                 emitted = len(chunk.token_ids)
                 on_round(RoundRecord(stats.rounds, k, drafted, min(verdict.num_accepted, emitted), emitted,
-                                     t1 - t0, t2 - t1, t0))
+                                     t1 - t0, t2 - t1, t0,
+                                     verdict.features.wire_bytes if verdict.features is not None else 0))
             batch = verdict.batch
             policy.observe(RoundObservation(drafted, verdict.num_accepted, t1 - t0, t2 - t1,
                                             batch.size if batch is not None else 0, batch.tokens if batch is not None else 0))

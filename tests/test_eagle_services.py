@@ -40,12 +40,14 @@ NEW_TOKENS = 48
 SAMPLED_PROMPT = "the quick brown fox jumps"
 
 
+def head_prompts(tokenizer) -> list[list[int]]:
+    """The prompts the test head learns the target's continuations of."""
+    return [encode_text(tokenizer, p) for p in PROMPTS + [SAMPLED_PROMPT]] + [encode_chat(tokenizer, c) for c in CHATS]
+
+
 @pytest.fixture(scope="module")
 def head_dir(tiny_pair, tiny_target, tmp_path_factory):
-    tokenizer = tiny_target.tokenizer
-    prompts = ([encode_text(tokenizer, p) for p in PROMPTS + [SAMPLED_PROMPT]]
-               + [encode_chat(tokenizer, c) for c in CHATS])
-    return build_eagle_head(tmp_path_factory.mktemp("eagle") / "head", tiny_pair[1], prompts)
+    return build_eagle_head(tmp_path_factory.mktemp("eagle") / "head", tiny_pair[1], head_prompts(tiny_target.tokenizer))
 
 
 @pytest.fixture(scope="module")

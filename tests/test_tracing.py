@@ -23,6 +23,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from specdec.client import ChunkEvent, GatewayClient
 from specdec.telemetry import MAX_ROUND_SPANS, MAX_SPANS_PER_REQUEST
 from tests.harness import metrics_text, start_stack
+from tests.test_eagle_services import PROMPTS, head_prompts
+from tests.tiny_models import build_eagle_head
 
 GATEWAY, DRAFTER, VERIFIER = "specdec-gateway", "specdec-drafter", "specdec-verifier"
 
@@ -234,6 +236,7 @@ def test_one_trace_per_request_across_services(traced, receiver, tiny_pair, oper
     assert a["specdec.final_k"] == stats["k_history"][-1]
     assert a["specdec.trace.rounds_dropped"] == 0
     assert a["specdec.network_s"] >= 0 and a["specdec.verify_s"] > 0
+    assert a["specdec.feature_bytes"] == stats["feature_bytes"] == 0  # a token-level drafter reads no features
 
     # The services' own counts agree.
     assert verify.attrs["specdec.verify.count"] == stats["rounds"]
@@ -261,6 +264,30 @@ def test_one_trace_per_request_across_services(traced, receiver, tiny_pair, oper
     assert sum(r["specdec.emitted"] for r in rounds) + 1 == len(tokens)  # + the prefill's token
     assert all(r["specdec.network_s"] >= 0 and r["specdec.verify_s"] > 0 for r in rounds)
     assert len(spans) <= MAX_SPANS_PER_REQUEST
+
+
+def test_feature_bytes_on_the_traces_of_an_eagle_request(receiver, tiny_pair, tiny_target, tmp_path):
+    """Feature-level drafting: the bytes of target features per request, per round and per verifier
+    step are on the spans, equal to the client's stats."""
+    head = build_eagle_head(tmp_path / "head", tiny_pair[1], head_prompts(tiny_target.tokenizer))
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}", "OTEL_BSP_SCHEDULE_DELAY": "100",
+           "SPECDEC_TRACE_DETAIL": "round"}
+    stack = start_stack(tiny_pair[1], head, tmp_path, drafter_method="eagle", env=env)
+    try:
+        tokens, final = generate(stack.gateway.address, request_id="trace-eagle", prompt=PROMPTS[0],
+                                 max_new_tokens=24, method="eagle", num_draft_tokens=3)
+    finally:
+        stack.stop()
+    stats = final.stats
+    root, spans = receiver.wait_for_trace("trace-eagle", {GATEWAY, DRAFTER, VERIFIER})
+    assert stats["feature_bytes"] > 0 and root.attrs["specdec.feature_bytes"] == stats["feature_bytes"]
+    assert root.attrs["specdec.feature_bytes_per_round"] == pytest.approx(stats["feature_bytes_per_round"])
+    rounds = [s.attrs for s in children(spans, root, "specdec.round")]
+    verify = one(spans, VERIFIER, "specdec.v1.Verifier/Verify")
+    row = tiny_target.model.config.hidden_size * 2
+    assert verify.attrs["specdec.prefill.feature_bytes"] == final.prompt_tokens * row
+    assert sum(r.get("specdec.feature_bytes", 0) for r in rounds) == verify.attrs["specdec.verify.feature_bytes"]
+    assert verify.attrs["specdec.prefill.feature_bytes"] + verify.attrs["specdec.verify.feature_bytes"] == stats["feature_bytes"]
 
 
 def test_span_count_per_request_is_bounded(traced, receiver):

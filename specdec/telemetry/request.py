@@ -134,6 +134,8 @@ class RequestTelemetry:
             "specdec.verify_s": verify_service,
             "specdec.network_s": network,
         }
+        if record.feature_bytes:
+            attrs["specdec.feature_bytes"] = record.feature_bytes
         self._step("specdec.round", record.started, record.draft_s + record.verify_s, attrs)
 
     def _step(self, name: str, started: float, elapsed: float, attrs: dict) -> None:
@@ -174,6 +176,8 @@ class RequestTelemetry:
             "specdec.verify_s": self.verify_service_s,
             "specdec.network_s": self.network_s + prefill_network,
             "specdec.trace.rounds_dropped": self.dropped,
+            "specdec.feature_bytes": stats.feature_bytes,
+            "specdec.feature_bytes_per_round": stats.feature_bytes_per_round,
         })
 
     def fail(self, exc: BaseException) -> None:
