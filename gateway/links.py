@@ -270,6 +270,9 @@ class RemoteDrafter:
         self._fail(exc)
 
     async def propose(self, committed: list[int], num_draft_tokens: int, ahead_tokens: int = 0) -> DraftProposal:
+        # The features handed over so far belong to ``committed``: taken now, before any await lets a
+        # later verdict's features in.
+        features, self._features = self._features, []
         if self.broken is not None:
             return DraftProposal()
         try:
@@ -284,9 +287,8 @@ class RemoteDrafter:
                 round=self.round, committed_token_ids=committed, num_draft_tokens=num_draft_tokens,
                 ahead_tokens=ahead_tokens,
             )
-            if self._features:
-                propose.target_features.CopyFrom(convert.features_to_pb(join_features(self._features)))
-                self._features = []
+            if features:
+                propose.target_features.CopyFrom(convert.features_to_pb(join_features(features)))
             await _write(self.call, drafter_pb2.DraftRequest(propose=propose), self.net_delay_s)
             response = await self._next()
             if response.WhichOneof("kind") != "proposal":
@@ -326,11 +328,14 @@ class RemoteDrafter:
 
         Returns at once (the write goes out in the background, after the injected delay; a failed
         write surfaces in ``take_ahead``)."""
+        features, self._features = self._features, []
         if self.broken is not None:
             return
         self.round += 1
         propose = drafter_pb2.DraftPropose(round=self.round, committed_token_ids=committed, num_draft_tokens=0,
                                            ahead_tokens=ahead_tokens, ahead_used=used)
+        if features:
+            propose.target_features.CopyFrom(convert.features_to_pb(join_features(features)))
         self._continue_write = asyncio.ensure_future(
             _write(self.call, drafter_pb2.DraftRequest(propose=propose), self.net_delay_s))
         self._ahead_owed = True

@@ -274,12 +274,20 @@ async def generate(
     shadow_probes = (shadow_probes and drafter is not None and getattr(drafter, "concurrent", False)
                      and not draft_ahead and completion.params.greedy)
     relay_features = drafter is not None and getattr(drafter, "reads_features", False)
+    unsent_features: list[TargetFeatures] = []  # verdicts' features, with ``pending``: not yet told to the drafter
 
     def take_features(verdict: Verdict) -> None:
         if verdict.features is not None:
             stats.feature_bytes += verdict.features.wire_bytes
             if relay_features:
-                drafter.add_features(verdict.features)
+                unsent_features.append(verdict.features)
+
+    def hand_features() -> None:
+        """Right before a proposal: the features of exactly the committed tokens it carries (a later
+        verdict's would reach a drafter that does not have its tokens yet)."""
+        for features in unsent_features:
+            drafter.add_features(features)
+        unsent_features.clear()
 
     start = time.perf_counter()
     verdict = await verifier.prefill()
@@ -307,6 +315,7 @@ async def generate(
             if shadow_probes and k > 0 and policy.probing and shadow is None:
                 policy.start_shadow_probe()
                 timed = getattr(drafter, "ready", True)  # opening the session would count its prefill
+                hand_features()
                 shadow = ShadowProbe(asyncio.ensure_future(drafter.propose(pending, k)), len(committed), timed)
                 pending = []
                 k = 0
@@ -321,11 +330,13 @@ async def generate(
                     if k > 0 and len(ahead) > 0 and list(verdict.tokens) == assumed:
                         proposal = ahead.prefix(k)
                         stats.ahead_hits += 1
+                        hand_features()
                         await drafter.continue_ahead(pending, len(proposal), k)
                         pending = []
             # Steady: the drafter feeds only the last verdict's tokens (its first call also prefills the prompt).
             steady = stats.rounds > 0 and len(pending) <= len(verdict.tokens)
             if k > 0 and len(proposal) == 0:
+                hand_features()
                 if draft_ahead:
                     proposal = await drafter.propose(pending, k, ahead_tokens=k)
                 else:

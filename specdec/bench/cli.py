@@ -200,7 +200,7 @@ def start_local_stack(args):
 
     up_args = ["--target", args.target, "--net-delay-ms", str(args.net_delay),
                "--draft-ahead" if args.draft_ahead else "--no-draft-ahead"]
-    if args.draft_model:
+    if args.draft_model and not getattr(args, "eagle_head", None):  # the eagle head is the stack's drafter
         up_args += ["--draft-model", args.draft_model]
     if getattr(args, "drafter_device", None):
         up_args += ["--drafter-device", args.drafter_device]
