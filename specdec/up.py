@@ -187,12 +187,16 @@ def children(args) -> list[ChildSpec]:
                          "(only the embedded target has a shipped one)")
     if method == "replay" and not getattr(args, "replay_file", None):
         raise SystemExit("error: --draft-method replay needs --replay-file")
+    # --draft-model: the draft; for eagle the head (over --target's embedding); else only the vocabulary.
+    if method == "model":
+        drafter_model = draft_model
+    elif method == "eagle":
+        drafter_model = eagle_head if eagle_head == EMBEDDED_EAGLE else os.path.abspath(eagle_head)
+    else:
+        drafter_model = args.target
     drafter_cmd = base + ["drafter", "--host", host, "--port", str(drafter_port), "--threads",
                           str(args.drafter_threads), "--method", method,
-                          "--draft-model", draft_model if method == "model" else args.target]
-    if method == "eagle":  # the head, over the target's embedding
-        drafter_cmd[-1] = eagle_head if eagle_head == EMBEDDED_EAGLE else os.path.abspath(eagle_head)
-        drafter_cmd += ["--target", args.target]
+                          "--draft-model", drafter_model, "--target", args.target]
     if method == "replay":
         drafter_cmd += ["--replay-file", os.path.abspath(args.replay_file)]
     if args.drafter_device:

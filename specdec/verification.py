@@ -66,6 +66,7 @@ class TargetSession:
             raise ValueError("want_features: this target has no features to stream")
         self.target = target
         self.params = params
+        self.prompt_length = len(prompt_ids)
         self.tokens: list[int] = list(prompt_ids)
         self.kv = KVSession(target)
         self.want_features = want_features
@@ -86,7 +87,19 @@ class TargetSession:
         drafts = [int(t) for t in proposal.draft_tokens]
         tokens = self.tokens + drafts
         return ForwardRow(self.kv, tokens, len(drafts) + 1, committed=len(self.tokens),
-                          num_features=len(tokens) if self.want_features else 0)
+                          num_features=self.features_wanted(len(tokens)))
+
+    def features_wanted(self, length: int) -> int:
+        """How many trailing positions of a pass over the first ``length`` tokens a verdict will still
+        send: from the first unsent position (the prefill: the start of the prompt's window) on."""
+        if not self.want_features:
+            return 0
+        return max(0, length - self._first_unsent())
+
+    def _first_unsent(self) -> int:
+        if self.features_sent == 0 and self.feature_window is not None:  # the prefill: the prompt's tail
+            return max(0, self.prompt_length - self.feature_window)
+        return self.features_sent
 
     def take_features(self, row: ForwardRow) -> None:
         """Keep the features a pass computed for this session (a prefill chunk's, or a verification's
@@ -102,9 +115,7 @@ class TargetSession:
         if not self.want_features:
             return None
         end = len(self.tokens) - 1
-        start = self.features_sent
-        if start == 0 and self.feature_window is not None:  # the prefill: the prompt's tail
-            start = max(0, end - self.feature_window)
+        start = self._first_unsent()
         kept = self.unsent
         if kept is None or kept.start > start or kept.end < end:
             raise RuntimeError(f"target features: positions {start}..{end - 1} were not computed")
@@ -200,8 +211,8 @@ class PrefillChunk:
     end: int
 
     def forward_row(self) -> ForwardRow:
-        wanted = self.end if self.session.want_features else 0
-        return ForwardRow(self.session.kv, self.session.tokens[: self.end], 1, committed=self.end, num_features=wanted)
+        return ForwardRow(self.session.kv, self.session.tokens[: self.end], 1, committed=self.end,
+                          num_features=self.session.features_wanted(self.end))
 
 
 VerifyJob = tuple[TargetSession, DraftProposal] | PrefillChunk

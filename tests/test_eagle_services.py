@@ -99,6 +99,16 @@ def test_a_windowed_prefill_sends_the_prompt_tail_and_the_head_drafts_from_it(ti
     first = session.prefill()
     assert (first.features.start, len(first.features)) == (len(prompt) - 3, 3)
     session.close()
+    # Chunked (a busy verifier): the chunks before the window compute no features; the verdict is the same.
+    chunked = TargetSession(tiny_target, prompt, params, want_features=True, feature_window=3)
+    rows = [PrefillChunk(chunked, 2).forward_row(), PrefillChunk(chunked, len(prompt) - 2).forward_row()]
+    assert [row.num_features for row in rows] == [0, 1]
+    assert verify_batch(tiny_target, [PrefillChunk(chunked, 2)]) == [None] and chunked.unsent is None
+    assert verify_batch(tiny_target, [PrefillChunk(chunked, len(prompt) - 2)]) == [None]
+    again = chunked.prefill()
+    assert again.tokens == first.tokens and (again.features.start, len(again.features)) == (len(prompt) - 3, 3)
+    torch.testing.assert_close(again.features.values.float(), first.features.values.float(), rtol=2e-3, atol=2e-3)
+    chunked.close()
     drafter = EagleDrafter.load(head_dir, tiny_target)
     results = {}
     for window in (None, 3):

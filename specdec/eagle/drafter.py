@@ -16,6 +16,7 @@ import torch
 from specdec.drafters import DraftSession, Drafter, choose_draft
 from specdec.eagle.drafting import HeadSession
 from specdec.eagle.head import EagleHead
+from specdec.models import resolve_model_path
 from specdec.sampling import DraftProposal, SamplingParams
 from specdec.target_features import WIRE_DTYPE, TargetFeatures
 
@@ -117,8 +118,6 @@ class EagleDrafter(Drafter):
     def load(cls, head_dir: str | Path, target, max_head_tokens: int | None = DRAFTING_HEAD_TOKENS) -> EagleDrafter:
         """The head in ``head_dir`` over ``target``'s (a ``LoadedModel``) embedding and LM head rows,
         its LM head cut to the ``max_head_tokens`` most frequent ids (None: all it was trained with)."""
-        from specdec.models import resolve_model_path
-
         head = EagleHead.load(resolve_model_path(str(head_dir)), target, max_head_tokens)
         return cls(head, target.vocab_size, f"eagle:{Path(str(head_dir)).name}")
 

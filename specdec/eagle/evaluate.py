@@ -175,7 +175,8 @@ def main(argv=None) -> int:
     p.add_argument("-k", "--num-draft-tokens", type=int, default=5)
     p.add_argument("--timing", action="store_true", help="time one head step against one target step")
     p.add_argument("--max-head-tokens", type=int, default=None,
-                   help="keep the head's first N ids (most frequent first), as the eagle drafter does (8192)")
+                   help="keep the head's first N ids (most frequent first), as the eagle drafter does "
+                        "(specdec.eagle.drafter.DRAFTING_HEAD_TOKENS)")
     p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)

@@ -284,7 +284,7 @@ class EagleHead(nn.Module):
         state = {k: v.float() for k, v in load_file(str(directory / WEIGHTS_FILE)).items()}
         if config.train_lm_head:
             state["lm_head.weight"] = state["lm_head.weight"][: len(ids)]
-        if not config.train_lm_head:
+        else:
             state["lm_head.weight"] = causal.get_output_embeddings().weight[head.head_token_ids].float()
         head.load_state_dict(state, strict=True)
         return head.to(embedding.device)

@@ -162,9 +162,9 @@ def id_counts(records: list[dict], vocab: int) -> torch.Tensor:
     return counts
 
 
-def frequent_ids(records: list[dict], size: int, vocab: int, always: list[int]) -> list[int]:
-    """FR-Spec: the ``size`` ids most frequent among the records' tokens and labels, plus ``always``."""
-    counts = id_counts(records, vocab)
+def frequent_ids(counts: torch.Tensor, size: int, always: list[int]) -> list[int]:
+    """FR-Spec: the ``size`` ids most frequent by ``counts`` (``id_counts``), plus ``always``."""
+    vocab = len(counts)
     chosen = set(counts.topk(min(size, vocab)).indices.tolist()) | set(always)
     return sorted(chosen)
 
@@ -257,9 +257,12 @@ def main(argv=None) -> int:
     elif args.head_ids or default_head_ids_file(args.target):
         ids = json.loads((args.head_ids or default_head_ids_file(args.target)).read_text())
     else:
-        ids = frequent_ids(train, args.head_tokens, target.vocab_size, list(target.eos_token_ids))
+        ids = None
     if state is None and not args.init:
-        ids = by_frequency(ids, id_counts(train, target.vocab_size), list(target.eos_token_ids))
+        counts = id_counts(train, target.vocab_size)
+        if ids is None:
+            ids = frequent_ids(counts, args.head_tokens, list(target.eos_token_ids))
+        ids = by_frequency(ids, counts, list(target.eos_token_ids))
     if state is None and args.init:
         head = EagleHead.load(args.init, target)
         print(f"stage starts from {args.init}")
