@@ -9,6 +9,8 @@ import logging
 import os
 import sys
 
+from specdec.pass_options import add_model_flags, apply_model_flags
+
 DEFAULT_TARGET = "embedded"
 
 
@@ -27,22 +29,6 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
 
-def _add_dtype_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
-                   help="model weights' dtype (default $SPECDEC_DTYPE, else auto: fp32 on CPU, bf16 on GPU)")
-    p.add_argument("--runtime", choices=["auto", "lean", "hf"], default=None,
-                   help="model forward: lean (specdec's own, Llama-family fp32 models), hf (transformers') or "
-                        "auto (lean where supported); default $SPECDEC_RUNTIME, else auto")
-
-
-def _apply_dtype(args) -> None:
-    """--dtype / --runtime become $SPECDEC_DTYPE / $SPECDEC_RUNTIME, so services that `specdec up` starts inherit them."""
-    if getattr(args, "dtype", None):
-        os.environ["SPECDEC_DTYPE"] = args.dtype
-    if getattr(args, "runtime", None):
-        os.environ["SPECDEC_RUNTIME"] = args.runtime
-
-
 def _add_serve_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--host", default=os.environ.get("SPECDEC_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=default_port)
@@ -55,7 +41,7 @@ def _add_serve_flags(p: argparse.ArgumentParser, default_port: int) -> None:
                         "set it below that where several gateways share a drafter or verifier, so that one "
                         "of them cannot take every session)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
-    _add_dtype_flag(p)
+    add_model_flags(p)
     p.add_argument("--idle-timeout", type=float, default=300.0,
                    help="drafter/verifier: free a session whose stream is silent this long (seconds)")
     p.add_argument("--threads", type=int, default=os.environ.get("SPECDEC_THREADS", "0"),
@@ -109,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft-model", default=None, help="draft model: hub id or local dir")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds (gateway mode)")
     gen.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"), help="gateway API key")
-    _add_dtype_flag(gen)
+    add_model_flags(gen)
     gen.add_argument("--tls-ca", default=None, help="CA to verify the gateway (enables TLS)")
     gen.add_argument("--tls-cert", default=None, help="client certificate (mTLS)")
     gen.add_argument("--tls-key", default=None, help="client key (mTLS)")
@@ -168,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     from specdec.up import add_arguments as _add_up_arguments
 
     _add_up_arguments(up, DEFAULT_TARGET)
-    _add_dtype_flag(up)
+    add_model_flags(up)
 
     bench = sub.add_parser("bench", help="benchmark spec decoding vs baselines (gateway or --local)")
     from specdec.bench.cli import add_arguments as _add_bench_arguments
@@ -474,7 +460,7 @@ def _bench(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _apply_dtype(args)
+    apply_model_flags(args)
     if args.command == "generate":
         return _generate_local(args) if args.local else _generate_remote(args)
     if args.command == "serve":

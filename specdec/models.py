@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 # Defined beside LoadedModel (which needs them) and loaded from here by the loader's callers.
+from specdec import pass_options
 from specdec.lm import HEAD_TOKEN_IDS_FILE, LoadedModel, ModelLoadError, tokenizer_fingerprint  # noqa: F401
 from specdec.synthetic import build_synthetic_model, is_synthetic, parse_synthetic
 
@@ -56,7 +57,6 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-DTYPE_ENV = "SPECDEC_DTYPE"  # float32 | bfloat16 | float16 | auto (set by --dtype; child processes inherit it)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -67,10 +67,10 @@ def default_dtype(device: torch.device) -> torch.dtype:
     over 1..16 tokens, which favours verification (docs/benchmarks.md). Both sides of a comparison must
     use the same dtype: the target's tokens depend on it.
     """
-    name = os.environ.get(DTYPE_ENV, "auto")
+    name = os.environ.get(pass_options.DTYPE_ENV, "auto")
     if name != "auto":
         if name not in DTYPES:
-            raise ModelLoadError(f"{DTYPE_ENV}={name!r}: choose from auto, {', '.join(DTYPES)}")
+            raise ModelLoadError(f"{pass_options.DTYPE_ENV}={name!r}: choose from auto, {', '.join(DTYPES)}")
         return DTYPES[name]
     # bf16 halves memory traffic on GPUs; CPUs run fp32 (bf16 matmuls are slow or inexact there).
     if device.type == "cuda":
@@ -78,7 +78,6 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-RUNTIME_ENV = "SPECDEC_RUNTIME"  # lean | hf | auto (set by --runtime; child processes inherit it)
 RUNTIMES = ("auto", "lean", "hf")
 DEFAULT_RUNTIME = "auto"  # the lean runtime where it supports the model, transformers' forward elsewhere
 
@@ -87,10 +86,11 @@ def _lean_runtime(model, runtime: str | None, name: str):
     """The ``specdec.lean.LeanModel`` for ``model`` when ``runtime`` (default ``$SPECDEC_RUNTIME``,
     else ``DEFAULT_RUNTIME``) asks for it and the model is one it runs; None means transformers' forward.
     ``lean`` on a model it cannot run is a ``ModelLoadError``; ``auto`` falls back and logs why."""
-    runtime = runtime or os.environ.get(RUNTIME_ENV) or DEFAULT_RUNTIME
+    runtime = runtime or os.environ.get(pass_options.RUNTIME_ENV) or DEFAULT_RUNTIME
     if runtime not in RUNTIMES:
         raise ModelLoadError(f"runtime {runtime!r}: choose from {', '.join(RUNTIMES)}")
     if runtime == "hf":
+        pass_options.note_without_lean(name)
         return None
     from specdec.lean import LeanModel, unsupported_reason
 
@@ -99,9 +99,11 @@ def _lean_runtime(model, runtime: str | None, name: str):
         if runtime == "lean":
             raise ModelLoadError(f"{name}: the lean runtime cannot run it: {reason}")
         log.info("%s: transformers' forward (the lean runtime does not support %s)", name, reason)
+        pass_options.note_without_lean(name)
         return None
     lean = LeanModel.from_hf(model, table_dir=cache_dir() / "lean-matmul")
     log.info("%s: lean runtime", name)
+    pass_options.configure(lean, name)
     return lean
 
 

@@ -82,7 +82,16 @@ def test_a_failed_pass_leaves_every_session_consistent(tiny_target, monkeypatch)
     sequences = [[rng.randrange(vocab) for _ in range(n)] for n in (4, 11, 7)]
     sessions = [KVSession(tiny_target) for _ in sequences]
     batched_forward(tiny_target, [ForwardRow(kv, list(tokens), 1) for kv, tokens in zip(sessions, sequences)])
-    if tiny_target.lean is not None:  # the lean runtime: its second layer's attention fails
+    static = tiny_target.lean.static if tiny_target.lean is not None else None
+    if static is not None:  # static passes: the whole pass writes every layer's keys, then fails
+        body = static._body
+
+        def failing_body(bucket):
+            body(bucket)
+            raise RuntimeError("out of memory")
+
+        monkeypatch.setattr(static, "_body", failing_body)
+    elif tiny_target.lean is not None:  # the lean runtime: its second layer's attention fails
         attention = tiny_target.lean._attention
 
         def failing(*args):

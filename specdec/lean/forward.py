@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from specdec.lean.kv import LeanKV
 from specdec.lean.matmul import BUCKETS, Linear, MatmulPlan
 from specdec.lean.numpy_pass import NumpyPass
+from specdec.lean.static import SlotPool, StaticPasses
 from specdec.lean.weights import LeanWeights
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,10 @@ class LeanModel:
         # Set while a caller wants the target's features (``LoadedModel.captured_features``): each pass
         # hands it the final-norm input of every fed token, packed as fed ([sum(fed), H], fp32, CPU).
         self.feature_sink: Callable[[torch.Tensor], None] | None = None
+        self.static: StaticPasses | None = None  # ``use_static_kv``: slot pool, bucketed passes, CUDA graphs
+        # Each session's rows in a pass of their own: a session's tokens then never depend on which
+        # sessions shared its pass (in half precision a product's rounding depends on its row count).
+        self.batch_invariant = False
 
     @classmethod
     def from_hf(cls, model, **options) -> LeanModel:
@@ -86,7 +91,19 @@ class LeanModel:
     def logits_width(self) -> int:
         return int(self.w.head.shape[0])
 
+    def use_static_kv(self, slots: int, slot_tokens: int, graphs: bool) -> None:
+        """Sessions take slots of one preallocated KV pool, and passes that fit a bucket run
+        static-shape (``specdec.lean.static``), replayed as CUDA graphs when ``graphs``."""
+        w = self.w
+        slot_tokens = min(slot_tokens, w.max_positions) if w.max_positions else slot_tokens
+        pool = SlotPool(len(self.layers), w.kv_heads, w.head_dim, self.dtype, self.device, slots, slot_tokens)
+        self.static = StaticPasses(self, pool, graphs)
+
     def new_kv(self, capacity: int = 0) -> LeanKV:
+        if self.static is not None:
+            kv = self.static.new_kv(self.w.max_positions)
+            if kv is not None:  # else every slot is taken: this session's passes run eagerly
+                return kv
         return LeanKV(len(self.layers), self.w.kv_heads, self.w.head_dim, self.dtype, self.device,
                       capacity=capacity, max_capacity=self.w.max_positions)
 
@@ -95,6 +112,8 @@ class LeanModel:
         self.head_ids = token_ids.to(self.device)
         self.head = Linear(self.w.head[self.head_ids].contiguous())
         self.plan.prepare(self.head)
+        if self.static is not None:
+            self.static.forget_graphs()  # they read the old head
         if self.numpy_pass is not None:
             self.numpy_pass.head = self.head
 
@@ -111,6 +130,12 @@ class LeanModel:
             raise ValueError("every session needs at least one token fed and 1..fed logits")
         if len({id(kv) for kv in kvs}) != len(kvs):
             raise ValueError("a session appears twice in one pass")
+        if self.batch_invariant and len(kvs) > 1:
+            return self._session_by_session(kvs, feeds, num_logits)
+        if self.static is not None:
+            shape = self.static.shape_for(kvs, fed)
+            if shape is not None:
+                return self._full_width(self.static.run(kvs, feeds, num_logits, shape, self.feature_sink)).cpu()
         if self.numpy_pass is not None and len(kvs) == 1:
             backend = self.plan.backend(fed[0])
             with self.plan.regime(backend):
@@ -157,6 +182,16 @@ class LeanModel:
         for kv, p, n in zip(kvs, pasts, fed):  # the pass succeeded: every session now holds its feed
             kv.length = p + n
         return self._full_width(logits).cpu()
+
+    def _session_by_session(self, kvs, feeds, num_logits) -> torch.Tensor:
+        """``forward`` as one pass per session (batch-invariant mode), all or nothing as one pass."""
+        lengths = [kv.length for kv in kvs]
+        try:
+            return torch.cat([self.forward([kv], [feed], [k]) for kv, feed, k in zip(kvs, feeds, num_logits)])
+        except BaseException:
+            for kv, length in zip(kvs, lengths):
+                kv.length = length
+            raise
 
     def _full_width(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary: a reduced head's rows in place, -inf elsewhere."""

@@ -24,9 +24,12 @@ def unsupported_reason(model, dtype: torch.dtype | None = None) -> str | None:
     model_type = getattr(config, "model_type", "")
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model type {model_type!r} is not a Llama-family one ({', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
-    dtype = dtype or next(model.parameters()).dtype
-    if dtype != torch.float32:
-        return f"dtype {dtype} (the lean runtime is fp32-only for now)"
+    first = next(model.parameters())
+    dtype = dtype or first.dtype
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"dtype {dtype}"
+    if dtype != torch.float32 and first.device.type == "cpu":
+        return f"dtype {dtype} on CPU (the lean runtime runs half precision on GPUs only; fp32 on CPU)"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r}"
     if getattr(config, "mlp_bias", False):
@@ -67,7 +70,7 @@ class LayerWeights:
 
 @dataclass
 class LeanWeights:
-    """Every tensor a forward reads, fp32, contiguous, on the model's device."""
+    """Every tensor a forward reads, in the model's dtype (fp32; bf16/fp16 on GPUs), on its device."""
 
     embed: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]

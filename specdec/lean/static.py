@@ -1,0 +1,280 @@
+"""Static-shape passes for the lean runtime: a KV pool of session slots, passes padded up to
+(sessions, tokens) buckets, and on CUDA one captured graph per bucket.
+
+A GPU pass of a small model is launch-bound: the eager forward issues hundreds of small kernels
+and Python work between them (docs/benchmarks.md: 22 ms for a pass whose weights read in 0.1 ms).
+A CUDA graph replays all of a pass's kernels in one launch, but only for fixed shapes and fixed
+memory. So here:
+
+- ``SlotPool``: every layer's keys and values for ``slots`` sessions of up to ``slot_tokens``
+  positions, allocated once: [layers, slots + 1, kv_heads, slot_tokens, head_dim]. Slot 0 is
+  scratch for the padded sessions of a bucket; a session owns one of the others.
+- ``StaticKV``: a ``LeanKV`` whose buffers are views of its slot, so the eager forward and the
+  numpy pass work on it unchanged. Rollback is still setting ``length`` (O(1)). A session that
+  outgrows its slot moves to buffers of its own and gives the slot back; from then on its passes
+  are eager. The slot returns to the pool when the session's cache is dropped.
+- ``StaticPasses.run``: a pass over sessions that all hold slots, padded to the smallest bucket
+  of ``SESSION_BUCKETS`` x ``TOKEN_BUCKETS`` that holds it. Padded token rows of a session sit at
+  the positions after its fed tokens (their keys land past its new length, where nothing reads
+  them before they are overwritten), padded sessions use the scratch slot, and the attention mask
+  is built inside the pass from the positions (row at position i sees keys 0..i of its own slot),
+  so every shape, index and address is the same from one pass of a bucket to the next. A pass
+  larger than every bucket, or one whose padding would run past a slot, is the eager forward's.
+
+Batch-invariant mode (``LeanModel.batch_invariant``): every pass is one session's, at the largest
+token bucket, so every product has one shape and a row's result depends on its own inputs only: a
+token's logits are bitwise the same whether it was decoded alone or verified among drafts, in any
+precision (the prompt's prefill runs eagerly, the same way in both).
+
+Invariant: for the rows a caller keeps, a static pass computes what the eager forward computes
+(the same products on the same rows, padded rows never reaching a real row: a real row's keys are
+its own session's positions up to itself). Tests check token equality on CPU, where the same code
+runs without graphs (``--static-kv on``).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specdec.lean.kv import LeanKV
+
+log = logging.getLogger(__name__)
+
+SESSION_BUCKETS = (1, 2, 4, 8, 16)  # sessions per pass a graph is captured for
+TOKEN_BUCKETS = (1, 2, 4, 8, 16)  # new tokens per session a graph is captured for (decode, verify of k <= 15)
+SCRATCH_SLOT = 0
+
+
+def bucket(n: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket holding ``n``, or None when ``n`` is past the largest."""
+    return next((b for b in buckets if b >= n), None)
+
+
+class SlotPool:
+    """Preallocated keys/values for ``slots`` sessions (plus the scratch slot) of ``slot_tokens`` each."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 slots: int, slot_tokens: int) -> None:
+        if slots < 1 or slot_tokens < max(TOKEN_BUCKETS):
+            raise ValueError(f"a KV pool needs at least one slot of at least {max(TOKEN_BUCKETS)} positions")
+        shape = (num_layers, slots + 1, kv_heads, slot_tokens, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.slot_tokens = slot_tokens
+        self._free = list(range(slots, SCRATCH_SLOT, -1))  # pop() hands out slot 1 first
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+
+class StaticKV(LeanKV):
+    """A ``LeanKV`` living in a ``SlotPool`` slot (``pool`` is None once it has left for its own buffers)."""
+
+    def __init__(self, pool: SlotPool, slot: int, max_capacity: int | None) -> None:
+        layers, _, kv_heads, _, head_dim = pool.keys.shape
+        super().__init__(layers, kv_heads, head_dim, pool.keys.dtype, pool.keys.device, max_capacity=max_capacity)
+        self.pool: SlotPool | None = pool
+        self.slot = slot
+        self.keys, self.values = pool.keys[:, slot], pool.values[:, slot]
+        self._give_back = weakref.finalize(self, pool.release, slot)
+
+    def reserve(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        super().reserve(needed)  # copies the first ``length`` positions out of the slot
+        if self.pool is not None:
+            self.pool = None
+            self._give_back()
+
+
+@dataclass
+class _Bucket:
+    """One bucket's fixed inputs and outputs (a captured graph reads and writes exactly these)."""
+
+    ids: torch.Tensor  # [B, T] token ids
+    positions: torch.Tensor  # [B, T] each row's position in its slot
+    slots: torch.Tensor  # [B] the slot of each session (scratch for padded ones)
+    features: torch.Tensor | None = None  # [B, T, H] the final norm's input
+    logits: torch.Tensor | None = None  # [B, T, head rows]
+    graph: object | None = None  # torch.cuda.CUDAGraph once captured
+
+
+class StaticPasses:
+    """Bucketed static-shape passes of a ``LeanModel`` over sessions in ``pool``; CUDA graphs when ``graphs``."""
+
+    def __init__(self, model, pool: SlotPool, graphs: bool) -> None:
+        if graphs and model.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on a CUDA device")
+        self.model = model
+        self.pool = pool
+        self.graphs = graphs
+        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._graph_pool = torch.cuda.graph_pool_handle() if graphs else None
+        w = model.w
+        positions = torch.arange(pool.slot_tokens, device=model.device)
+        freqs = positions[:, None].float() * model._inv_freq[None]
+        cos, sin = freqs.cos(), freqs.sin()
+        if w.rope_scale != 1.0:
+            cos, sin = cos * w.rope_scale, sin * w.rope_scale
+        # The eager forward's RoPE tables, for every position a slot has (gathered by position in a pass).
+        self._cos = torch.cat((cos, cos), dim=-1).to(model.dtype)
+        self._sin = torch.cat((-sin, sin), dim=-1).to(model.dtype)
+        self._key_index = torch.arange(pool.slot_tokens, device=model.device)
+
+    def forget_graphs(self) -> None:
+        """Drop every bucket (and its graph): the next passes rebuild them (after the weights changed)."""
+        self._buckets.clear()
+
+    def new_kv(self, max_capacity: int | None) -> StaticKV | None:
+        slot = self.pool.acquire()
+        return None if slot is None else StaticKV(self.pool, slot, max_capacity)
+
+    def shape_for(self, kvs: Sequence[LeanKV], fed: Sequence[int]) -> tuple[int, int] | None:
+        """The (sessions, tokens) bucket of this pass, or None when it must run eagerly."""
+        sessions, tokens = bucket(len(kvs), SESSION_BUCKETS), bucket(max(fed), TOKEN_BUCKETS)
+        if self.model.batch_invariant and tokens is not None:
+            # One shape for every pass: a row's products then never depend on how many rows came
+            # with it, so a token verified among drafts gets the logits it gets decoded alone.
+            tokens = max(TOKEN_BUCKETS)
+        if sessions is None or tokens is None:
+            return None
+        for kv in kvs:
+            if not isinstance(kv, StaticKV) or kv.pool is not self.pool or kv.length + tokens > self.pool.slot_tokens:
+                return None
+        return sessions, tokens
+
+    @torch.inference_mode()
+    def run(self, kvs: Sequence[StaticKV], feeds: Sequence[Sequence[int]], num_logits: Sequence[int],
+            shape: tuple[int, int], feature_sink: Callable[[torch.Tensor], None] | None) -> torch.Tensor:
+        """The kept rows' logits [sum(num_logits), head rows] (as ``LeanModel.forward`` before widening),
+        on the model's device; every session holds its feed afterwards."""
+        b = self._bucket(shape)
+        ids, positions, slots = self._inputs(kvs, feeds, shape)
+        b.ids.copy_(ids, non_blocking=True)
+        b.positions.copy_(positions, non_blocking=True)
+        b.slots.copy_(slots, non_blocking=True)
+        if b.graph is not None:
+            b.graph.replay()
+            features, all_logits = b.features, b.logits
+        elif self.graphs:  # the bucket's first pass: run on a side stream as the warm-up, then capture
+            side = torch.cuda.Stream(device=self.model.device)
+            side.wait_stream(torch.cuda.current_stream(self.model.device))
+            with torch.cuda.stream(side):
+                features, all_logits = self._body(b)
+            torch.cuda.current_stream(self.model.device).wait_stream(side)
+            try:
+                self._capture(b)
+            except Exception:  # a capture this stack cannot do must not take the service down: eager from now on
+                log.exception("CUDA graph capture failed for %d x %d; static passes run eagerly from now on", *b.ids.shape)
+                self.graphs = False
+                self.forget_graphs()
+        else:  # on CPU through the product backend the load-time table picked for this many rows
+            backend = self.model.plan.backend(b.ids.numel())
+            with self.model.plan.regime(backend):
+                features, all_logits = self._body(b, backend)
+        rows = [(i, t) for i, (feed, k) in enumerate(zip(feeds, num_logits)) for t in range(len(feed) - k, len(feed))]
+        index_b = torch.tensor([i for i, _ in rows], device=self.model.device)
+        index_t = torch.tensor([t for _, t in rows], device=self.model.device)
+        logits = all_logits[index_b, index_t].float()
+        if feature_sink is not None:
+            feature_sink(torch.cat([features[i, : len(feed)] for i, feed in enumerate(feeds)]).float().cpu())
+        for kv, feed in zip(kvs, feeds):
+            kv.length += len(feed)
+        return logits
+
+    def _inputs(self, kvs, feeds, shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        sessions, tokens = shape
+        ids = torch.zeros((sessions, tokens), dtype=torch.long)
+        positions = torch.arange(tokens).repeat(sessions, 1)  # padded sessions: scratch positions 0..T-1
+        slots = torch.full((sessions,), SCRATCH_SLOT, dtype=torch.long)
+        for i, (kv, feed) in enumerate(zip(kvs, feeds)):
+            ids[i, : len(feed)] = torch.tensor(feed, dtype=torch.long)
+            positions[i] += kv.length
+            slots[i] = kv.slot
+        return ids, positions, slots
+
+    def _bucket(self, shape: tuple[int, int]) -> _Bucket:
+        b = self._buckets.get(shape)
+        if b is None:
+            device = self.model.device
+            sessions, tokens = shape
+            b = _Bucket(ids=torch.zeros(shape, dtype=torch.long, device=device),
+                        positions=torch.arange(tokens, device=device).repeat(sessions, 1),
+                        slots=torch.full((sessions,), SCRATCH_SLOT, dtype=torch.long, device=device))
+            self._buckets[shape] = b
+        return b
+
+    def _capture(self, b: _Bucket) -> None:
+        """Capture ``_body`` on ``b``'s tensors (recorded, not run: the pass just run on the same inputs
+        was the warm-up, as torch's docs ask); the next pass of this bucket replays it. Every graph
+        shares one memory pool; each bucket's outputs stay referenced, so no capture reuses them."""
+        torch.cuda.synchronize(self.model.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            b.features, b.logits = self._body(b)
+        b.graph = graph
+        log.info("captured a CUDA graph for %d session(s) x %d token(s)", *b.ids.shape)
+
+    def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """SDPA with the boolean mask; on CPU written out (torch's CPU kernel took ~7 ms a call with
+        a mask at one query row, 30x the products it sits between)."""
+        if query.device.type != "cpu":
+            return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self.model.scaling)
+        scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(self.model.scaling).masked_fill_(~mask, -torch.inf)
+        return torch.matmul(torch.softmax(scores, dim=-1), values)
+
+    def _body(self, b: _Bucket, backend=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pass on ``b``'s inputs, rows flattened to [B x T, ...] for the products; only
+        fixed-shape ops on fixed tensors (capturable). ``backend``: the product backend (None: torch's)."""
+        m, w = self.model, self.model.w
+        sessions, tokens = b.ids.shape
+        rows = sessions * tokens
+
+        def mm(x: torch.Tensor, linear) -> torch.Tensor:
+            return F.linear(x, linear.weight) if backend is None else backend.mm(x, linear.handles[backend.name])
+
+        groups, dim, kv_heads = m.groups, w.head_dim, w.kv_heads
+        cos, sin = self._cos[b.positions][:, :, None], self._sin[b.positions][:, :, None]  # [B, T, 1, dim]
+        # Row (b, t) sees keys 0..positions[b, t] of its own slot; rows ordered (group, token) as the queries.
+        mask = self._key_index[None, None, :] <= b.positions[:, :, None]  # [B, T, S]
+        mask = mask[:, None, None].expand(sessions, 1, groups, tokens, mask.shape[-1]).reshape(sessions, 1, groups * tokens, -1)
+        slot_rows = b.slots[:, None].expand(sessions, tokens)
+        x = F.embedding(b.ids.view(rows), w.embed)
+        half = dim // 2
+        for index, (layer, qkv_w, o_w, gate_up_w, down_w) in enumerate(m.layers):
+            h = F.rms_norm(x, (w.hidden,), layer.input_norm, w.eps)
+            qkv = mm(h, qkv_w)
+            if layer.qkv_bias is not None:
+                qkv = qkv + layer.qkv_bias
+            qkv = qkv.view(sessions, tokens, -1)
+            q_and_k = qkv[..., : w.q_width + w.kv_width].view(sessions, tokens, w.heads + kv_heads, dim)
+            swapped = torch.cat((q_and_k[..., half:], q_and_k[..., :half]), dim=-1)
+            rotated = torch.addcmul(q_and_k * cos, swapped, sin)
+            q, k = rotated[:, :, : w.heads], rotated[:, :, w.heads :]
+            v = qkv[..., w.q_width + w.kv_width :].view(sessions, tokens, kv_heads, dim)
+            keys, values = self.pool.keys[index], self.pool.values[index]  # [slots, kv_heads, S, dim]
+            keys[slot_rows, :, b.positions] = k
+            values[slot_rows, :, b.positions] = v
+            query = q.reshape(sessions, tokens, kv_heads, groups, dim).permute(0, 2, 3, 1, 4)
+            query = query.reshape(sessions, kv_heads, groups * tokens, dim)
+            out = self._attend(query, keys.index_select(0, b.slots), values.index_select(0, b.slots), mask)
+            attn = out.view(sessions, kv_heads, groups, tokens, dim).permute(0, 3, 1, 2, 4).reshape(rows, w.q_width)
+            x = x + mm(attn, o_w)
+            h = F.rms_norm(x, (w.hidden,), layer.post_norm, w.eps)
+            gate_up = mm(h, gate_up_w)
+            x = x + mm(F.silu(gate_up[:, : w.intermediate]) * gate_up[:, w.intermediate :], down_w)
+        h = F.rms_norm(x, (w.hidden,), w.final_norm, w.eps)
+        return x.view(sessions, tokens, -1), mm(h, m.head).view(sessions, tokens, -1)
