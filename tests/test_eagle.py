@@ -333,3 +333,29 @@ def test_cli_steps_have_help(step, capsys):
         main(["train-draft", step, "--help"])
     assert exit_info.value.code == 0
     assert "usage: specdec train-draft " + step in capsys.readouterr().out
+
+
+def test_the_learning_curve_counts_tokens_across_stages_and_plots_other_learners(tmp_path, capsys):
+    """eagle-curve: a later stage's tokens count on from the earlier's; --series adds another
+    learner's points; the PNG is written and the points printed."""
+    import json as _json
+
+    from specdec.eagle.curve import curve_points, main, parse_series
+
+    runs = []
+    for stage, (seen, acc) in enumerate([((100, 200), (0.1, 0.2)), ((50, 150), (0.3, 0.4))]):
+        run = tmp_path / f"stage{stage}"
+        run.mkdir()
+        lines = [{"step": i + 1, "tokens_seen": t, "eval": {"acc1": a, "acc2": a / 2}} for i, (t, a) in enumerate(zip(seen, acc))]
+        (run / "train_log.jsonl").write_text("\n".join(_json.dumps(x) for x in lines) + "\n")
+        runs.append(run)
+    points = curve_points(runs)
+    assert [p["tokens"] for p in points] == [100, 200, 250, 350] and [p["stage"] for p in points] == [1, 1, 2, 2]
+    assert parse_series("draft (own held-out)=1000:0.3,2000:0.4") == ("draft (own held-out)", [(1000.0, 0.3), (2000.0, 0.4)])
+    with pytest.raises(ValueError):
+        parse_series("no pairs")
+    out = tmp_path / "curve.png"
+    main(["--run", str(runs[0]), "--run", str(runs[1]), "--out", str(out), "--series", "draft=100:0.2,300:0.3",
+          "--reference", "floor=0.5"])
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert _json.loads(capsys.readouterr().out)[-1]["acc1"] == 0.4

@@ -3,7 +3,8 @@
 ``specdec train-draft eagle-curve --run DIR [--run DIR ...] --out curve.png`` reads each run's
 ``train_log.jsonl`` (stages of one curriculum, in order: a later stage's tokens count on from the
 earlier's) and plots teacher-forced agreement at depths 1..3 on the held-out target answers, with
-optional reference lines (``--reference "independent draft=0.46"``). Also prints the points as JSON.
+optional reference lines (``--reference "independent draft=0.46"``) and other learners' curves read
+from their own logs (``--series "LABEL=TOKENS:AGREEMENT,..."``). Also prints the points as JSON.
 """
 
 from __future__ import annotations
@@ -28,7 +29,16 @@ def curve_points(runs: list[Path]) -> list[dict]:
     return points
 
 
-def plot(points: list[dict], references: dict[str, float], out: Path, title: str) -> None:
+def parse_series(text: str) -> tuple[str, list[tuple[float, float]]]:
+    """``"LABEL=TOKENS:VALUE,TOKENS:VALUE"`` -> (label, [(tokens, value), ...])."""
+    label, _, pairs = text.rpartition("=")
+    if not label or not pairs:
+        raise ValueError(f"--series {text!r}: expected LABEL=TOKENS:VALUE,...")
+    return label, [(float(t), float(v)) for t, v in (pair.split(":") for pair in pairs.split(","))]
+
+
+def plot(points: list[dict], references: dict[str, float], out: Path, title: str,
+         series: dict[str, list[tuple[float, float]]] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -42,6 +52,8 @@ def plot(points: list[dict], references: dict[str, float], out: Path, title: str
         start = min(p["tokens"] for p in points if p["stage"] == stage) / 1e3
         ax.axvline(start, color="grey", linewidth=0.6)
         ax.text(start, ax.get_ylim()[1] * 0.98, f" stage {stage}", va="top", fontsize=8, color="grey")
+    for label, values in (series or {}).items():
+        ax.plot([t / 1e3 for t, _ in values], [v for _, v in values], "D-", color="black", markersize=3, label=label)
     for label, value in references.items():
         ax.axhline(value, color="black", linewidth=0.8, linestyle="-.")
         ax.text(0, value, f" {label}", va="bottom", fontsize=8)
@@ -61,6 +73,8 @@ def main(argv=None) -> int:
     p.add_argument("--run", type=Path, action="append", required=True, help="an eagle-train --out directory (repeatable, in order)")
     p.add_argument("--out", type=Path, required=True, help="the PNG to write")
     p.add_argument("--reference", action="append", default=[], metavar="LABEL=VALUE", help="a horizontal line")
+    p.add_argument("--series", action="append", default=[], metavar="LABEL=TOKENS:VALUE,...",
+                   help="another learner's curve (e.g. the independent draft's held-out top-1 by tokens seen)")
     p.add_argument("--title", default="EAGLE head: held-out agreement against training tokens")
     args = p.parse_args(argv)
     references = {}
@@ -68,7 +82,7 @@ def main(argv=None) -> int:
         label, _, value = item.rpartition("=")
         references[label] = float(value)
     points = curve_points(args.run)
-    plot(points, references, args.out, args.title)
+    plot(points, references, args.out, args.title, dict(parse_series(item) for item in args.series))
     print(json.dumps(points))
     return 0
 
