@@ -69,6 +69,8 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
         session = self.drafter.start([0, 1, 2, 3], SamplingParams(max_new_tokens=4))
         session.propose(3)
         session.close()
+        if self.lm is not None and self.lm.capture_graphs():
+            log.info("captured the CUDA graphs of every pass bucket")
 
     @property
     def max_context(self) -> int:

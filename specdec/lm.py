@@ -59,6 +59,12 @@ class LoadedModel:
         if self.lean is not None:
             self.lean.restrict_head(self.head_token_ids)
 
+    def capture_graphs(self) -> int:
+        """On the lean runtime with CUDA graphs: capture every pass bucket now (service warm-up);
+        how many. 0 elsewhere."""
+        static = getattr(self.lean, "static", None)
+        return static.capture_all() if static is not None else 0
+
     @functools.cached_property
     def fingerprint(self) -> str:
         """``tokenizer_fingerprint`` of this model's tokenizer (hashing 49k tokens takes ~100 ms: once)."""

@@ -265,3 +265,18 @@ def test_batch_invariant_speculation_equals_decoding_one_token_at_a_time(tiny_pa
         assert result.token_ids == decode_alone(prompt), prompt
         accepted += result.stats.accepted_tokens
     assert accepted > 0  # drafts were verified several at a time, not only decoded
+
+
+def test_warm_up_runs_every_bucket_the_pool_can_fill_and_gives_the_slots_back(tiny_hf, monkeypatch):
+    """``capture_all`` (a GPU service's warm-up): one pass per bucket with sessions <= free slots,
+    positions restarting at 0 each time; every slot free afterwards. Nothing on a CPU (no graphs)."""
+    lean = static_lean(tiny_hf, slots=5, slot_tokens=32)
+    assert lean.static.capture_all() == 0
+    seen = []
+    monkeypatch.setattr(lean.static, "graphs", True)
+    monkeypatch.setattr(lean.static, "run", lambda kvs, feeds, nums, shape, sink: seen.append(
+        (shape, len(kvs), {len(f) for f in feeds}, {kv.length for kv in kvs})))
+    assert lean.static.capture_all() == 15
+    assert [s for s, *_ in seen] == [(s, t) for s in (1, 2, 4) for t in TOKEN_BUCKETS]
+    assert all(n == s[0] and lengths == {0} and fed == {s[1]} for s, n, fed, lengths in seen)
+    assert lean.static.pool.free_slots == 5

@@ -49,6 +49,8 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
         session.prefill()
         session.verify(DraftProposal([1, 2, 3]))
         session.close()
+        if self.lm.capture_graphs():
+            log.info("captured the CUDA graphs of every pass bucket")
         # The verify-cost curve the gateways' draft-length policies build on (seconds for k + 1 tokens).
         sizes = min(self.max_draft_tokens, FORWARD_CURVE_MAX_DRAFTS) + 1
         self.forward_cost_s = measure_forward_curve(self.lm, sizes, reps=FORWARD_CURVE_REPS)

@@ -138,6 +138,21 @@ class StaticPasses:
         """Drop every bucket (and its graph): the next passes rebuild them (after the weights changed)."""
         self._buckets.clear()
 
+    def capture_all(self) -> int:
+        """Capture every bucket the pool can fill now (a service's warm-up), not at its first pass;
+        the number of buckets run. Nothing without graphs (the CPU has none to capture)."""
+        if not self.graphs:
+            return 0
+        kvs = [kv for kv in (self.new_kv(None) for _ in range(max(SESSION_BUCKETS))) if kv is not None]
+        shapes = [(s, t) for s in SESSION_BUCKETS if s <= len(kvs) for t in TOKEN_BUCKETS]
+        for sessions, tokens in shapes:
+            self.run(kvs[:sessions], [[0] * tokens] * sessions, [1] * sessions, (sessions, tokens), None)
+            for kv in kvs:
+                kv.length = 0
+        for kv in kvs:  # the slots go back now, not whenever the collector gets to them
+            kv._give_back()
+        return len(shapes)
+
     def new_kv(self, max_capacity: int | None) -> StaticKV | None:
         slot = self.pool.acquire()
         return None if slot is None else StaticKV(self.pool, slot, max_capacity)
