@@ -95,6 +95,12 @@ def _lean_runtime(model, runtime: str | None, name: str):
     from specdec.lean import LeanModel, unsupported_reason
 
     reason = unsupported_reason(model)
+    first = next(model.parameters())
+    if reason is None and runtime == "auto" and first.dtype != torch.float32:
+        # Half precision (GPUs only) takes the lean runtime to carry CUDA graphs; without them
+        # transformers' forward stays the path, as before graphs existed.
+        if not pass_options.PassOptions.from_env().resolve(first.device.type)[1]:
+            reason = f"dtype {first.dtype} without CUDA graphs"
     if reason is not None:
         if runtime == "lean":
             raise ModelLoadError(f"{name}: the lean runtime cannot run it: {reason}")
