@@ -280,3 +280,28 @@ def test_warm_up_runs_every_bucket_the_pool_can_fill_and_gives_the_slots_back(ti
     assert [s for s, *_ in seen] == [(s, t) for s in (1, 2, 4) for t in TOKEN_BUCKETS]
     assert all(n == s[0] and lengths == {0} and fed == {s[1]} for s, n, fed, lengths in seen)
     assert lean.static.pool.free_slots == 5
+
+
+def test_half_precision_runs_the_same_passes(tiny_pair, monkeypatch):
+    """bf16 (what a GPU runs; the CPU refuses it only for speed): eager and static passes agree to
+    bf16 rounding, and batch-invariant static passes give a token the same bits alone or among drafts."""
+    from transformers import AutoModelForCausalLM
+
+    import specdec.lean.weights as weights
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair[1], dtype=torch.bfloat16).eval()
+    assert "bfloat16 on CPU" in weights.unsupported_reason(model)
+    monkeypatch.setattr(weights, "unsupported_reason", lambda model, dtype=None: None)
+    eager, static = LeanModel.from_hf(model, backend="torch"), LeanModel.from_hf(model, backend="torch")
+    static.use_static_kv(4, 64, graphs=False)
+    static.batch_invariant = True
+    assert static.static.pool.keys.dtype == torch.bfloat16
+    prompt, continuation = [3, 1, 4, 1, 5, 9, 2, 6], [5, 3, 5, 8, 9, 7]
+    verified, decoded = static.new_kv(), static.new_kv()
+    static.forward([verified, decoded], [prompt, prompt], [1, 1])
+    together = static.forward([verified], [continuation], [len(continuation)])
+    alone = torch.cat([static.forward([decoded], [[token]], [1]) for token in continuation])
+    assert together.dtype == torch.float32 and torch.equal(together, alone)
+    reference = eager.forward([eager.new_kv()], [prompt + continuation], [len(continuation)])
+    scale = float(reference.abs().max())
+    assert float((together - reference).abs().max()) <= 0.02 * scale  # bf16: ~3 significant digits
