@@ -165,10 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Steps of the recipe behind the shipped draft (see its model card): "
                                        "'queries' has the target write user requests (Magpie), 'data' has the target answer "
                                        "offline prompts (or those requests), 'train' distils the draft, "
-                                       "'eval' measures greedy acceptance; 'eagle-features', 'eagle-train', 'eagle-eval' and 'eagle-curve' "
+                                       "'eval' measures greedy acceptance; 'eagle-features', 'eagle-train', 'eagle-eval', 'eagle-ids' and 'eagle-curve' "
                                        "build the EAGLE head (specdec/eagle/). Each step's --help lists its options.")
     train.add_argument("step", choices=["queries", "data", "train", "eval", "eagle-features", "eagle-train", "eagle-eval",
-                                        "eagle-curve"])
+                                        "eagle-ids", "eagle-curve"])
     train.add_argument("step_args", nargs=argparse.REMAINDER)
 
     sim = sub.add_parser("sim", help="simulate draft-length policies (no models)")
@@ -436,10 +436,11 @@ def _train_draft(args) -> int:
     from specdec.distill import evaluate, generate, queries, train
 
     if args.step.startswith("eagle-"):
-        from specdec.eagle import curve as eagle_curve, evaluate as eagle_evaluate, features as eagle_features, train as eagle_train
+        from specdec.eagle import curve as eagle_curve, evaluate as eagle_evaluate, features as eagle_features
+        from specdec.eagle import ids as eagle_ids, train as eagle_train
 
         eagle = {"eagle-features": eagle_features.main, "eagle-train": eagle_train.main, "eagle-eval": eagle_evaluate.main,
-                 "eagle-curve": eagle_curve.main}
+                 "eagle-ids": eagle_ids.main, "eagle-curve": eagle_curve.main}
         return eagle[args.step](args.step_args)
     steps = {"queries": queries.main, "data": generate.main, "train": train.main, "eval": evaluate.main}
     return steps[args.step](args.step_args)

@@ -325,7 +325,7 @@ def test_evaluation_report_for_an_oracle_and_a_real_head(target, monkeypatch):
     assert evaluate_records(head, records, k)["all"]["answer_positions"] > 0
 
 
-@pytest.mark.parametrize("step", ["eagle-features", "eagle-train", "eagle-eval"])
+@pytest.mark.parametrize("step", ["eagle-features", "eagle-train", "eagle-eval", "eagle-ids", "eagle-curve"])
 def test_cli_steps_have_help(step, capsys):
     from specdec.cli import main
 
@@ -359,3 +359,37 @@ def test_the_learning_curve_counts_tokens_across_stages_and_plots_other_learners
           "--reference", "floor=0.5"])
     assert out.read_bytes()[:4] == b"\x89PNG"
     assert _json.loads(capsys.readouterr().out)[-1]["acc1"] == 0.4
+
+
+def test_eagle_ids_reranks_a_heads_ids_by_the_data_and_keeps_what_it_drafts_from(target, tiny_pair, tmp_path):
+    """eagle-ids: the copy's ids are the data's most frequent greedy tokens (EOS first), the head's
+    scores for an id do not change (its LM head rows are the target's), and a head that trained its
+    own LM head is refused."""
+    from specdec.eagle.ids import coverage, main as eagle_ids
+    from specdec.eagle.train import id_counts
+
+    records = feature_records(target, count=8, seed=9)
+    write_feature_shards(target, [{"key": r["key"], "source": "s", "prompt_ids": r["input_ids"][:4].tolist(),
+                                   "output_ids": r["input_ids"][4:].tolist()} for r in records], tmp_path / "feat", 4, 256)
+    few = list(range(target.vocab_size - 40, target.vocab_size))  # ids the data hardly uses
+    head = perturbed_head(target, ids=few, seed=2)
+    head.save(tmp_path / "head")
+    eagle_ids(["--head", str(tmp_path / "head"), "--features", str(tmp_path / "feat"), "--out", str(tmp_path / "out"),
+               "--target", str(tiny_pair[1]), "--head-tokens", "32"])
+    counts = id_counts(read_feature_shards([tmp_path / "feat"]), target.vocab_size)
+    new = json.loads((tmp_path / "out" / "head_token_ids.json").read_text())
+    eos = list(target.eos_token_ids)
+    assert new[: len(eos)] == eos and 32 <= len(new) <= 32 + len(eos)
+    ranked = [int(counts[i]) for i in new[len(eos):]]
+    assert ranked == sorted(ranked, reverse=True)
+    assert coverage(new, counts, (32,))[32] >= coverage(few, counts, (32,))[32]
+    before, after = (EagleHead.load(tmp_path / name, target).eval() for name in ("head", "out"))
+    g = torch.randn(3, head.config.hidden_size)
+    shared = sorted(set(new) & set(few))
+    assert shared  # random data reaches some of the rare ids too
+    torch.testing.assert_close(after.full_logits(g)[:, shared], before.full_logits(g)[:, shared])
+    trained = perturbed_head(target, ids=few, seed=3, train_lm_head=True)
+    trained.save(tmp_path / "trained")
+    with pytest.raises(SystemExit, match="trained for its own ids"):
+        eagle_ids(["--head", str(tmp_path / "trained"), "--features", str(tmp_path / "feat"), "--out", str(tmp_path / "x"),
+                   "--target", str(tiny_pair[1])])
