@@ -86,8 +86,8 @@ def test_a_failed_pass_leaves_every_session_consistent(tiny_target, monkeypatch)
     if static is not None:  # static passes: the whole pass writes every layer's keys, then fails
         body = static._body
 
-        def failing_body(bucket):
-            body(bucket)
+        def failing_body(bucket, *args):
+            body(bucket, *args)
             raise RuntimeError("out of memory")
 
         monkeypatch.setattr(static, "_body", failing_body)
