@@ -60,8 +60,10 @@ def main() -> int:
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    os.environ["SPECDEC_DTYPE"] = args.dtype
-    os.environ["SPECDEC_STATIC_KV"] = "off"  # the loader builds the eager model; static variants below
+    from specdec import pass_options
+
+    os.environ[pass_options.DTYPE_ENV] = args.dtype
+    os.environ[pass_options.STATIC_KV_ENV] = "off"  # the loader builds the eager model; static variants below
     from specdec.lean import LeanModel
     from specdec.models import load_model
 

@@ -16,7 +16,8 @@ import torch
 
 from specdec.lean import LeanModel
 from specdec.lean.kv import LeanKV
-from specdec.lean.static import SESSION_BUCKETS, TOKEN_BUCKETS, StaticKV, bucket
+from specdec.lean.matmul import smallest_bucket
+from specdec.lean.static import SESSION_BUCKETS, TOKEN_BUCKETS, StaticKV
 from tests.test_lean_runtime import TOLERANCE, built_hf, check_incremental, check_ragged, fresh_hf, reference_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -46,8 +47,8 @@ def count_static_passes(lean: LeanModel, monkeypatch) -> list[tuple[int, int]]:
 
 
 def test_buckets_pick_the_smallest_that_holds():
-    assert [bucket(n, TOKEN_BUCKETS) for n in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, None]
-    assert bucket(9, SESSION_BUCKETS) == 16
+    assert [smallest_bucket(n, TOKEN_BUCKETS) for n in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, None]
+    assert smallest_bucket(9, SESSION_BUCKETS) == 16
 
 
 def test_single_session_with_rollbacks_matches_transformers(tiny_hf, monkeypatch):

@@ -30,6 +30,7 @@ from specdec.bench.metrics import (
 from specdec.bench.prompts import Conversation, load_prompts
 from specdec.bench.split_check import split_prediction
 from specdec.costs import measure_forward_curve
+from specdec.pass_options import DTYPE_ENV
 from specdec.synthetic import is_synthetic, parse_synthetic
 from specdec.bench.report import fmt, format_round_ratios, render_report, render_sweep
 from specdec.bench.sweep import ReplayControl, replay_requested, replay_systems, sweep_results, validate_replay_args
@@ -339,7 +340,7 @@ def run_bench(args) -> dict:
             "gateway": gateway_address,
             "target": args.target,
             "draft_model": args.draft_model,
-            "dtype": os.environ.get("SPECDEC_DTYPE", "auto"),
+            "dtype": os.environ.get(DTYPE_ENV, "auto"),
             "prompts": args.prompts,
             "limit": args.limit,
             "conversations": len(conversations),

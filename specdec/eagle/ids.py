@@ -21,10 +21,9 @@ from pathlib import Path
 import torch
 
 from specdec.eagle.features import read_feature_shards
+from specdec.eagle.head import CONFIG_FILE
 from specdec.eagle.train import by_frequency, frequent_ids, id_counts
 from specdec.lm import HEAD_TOKEN_IDS_FILE
-
-CONFIG_FILE = "config.json"
 
 
 def coverage(ids: list[int], counts: torch.Tensor, prefixes: tuple[int, ...]) -> dict[int, float]:

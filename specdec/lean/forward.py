@@ -95,8 +95,8 @@ class LeanModel:
         """Sessions take slots of one preallocated KV pool, and passes that fit a bucket run
         static-shape (``specdec.lean.static``), replayed as CUDA graphs when ``graphs``."""
         w = self.w
-        slot_tokens = min(slot_tokens, w.max_positions) if w.max_positions else slot_tokens
-        pool = SlotPool(len(self.layers), w.kv_heads, w.head_dim, self.dtype, self.device, slots, slot_tokens)
+        pool = SlotPool(len(self.layers), w.kv_heads, w.head_dim, self.dtype, self.device, slots,
+                        min(slot_tokens, w.max_positions))
         self.static = StaticPasses(self, pool, graphs)
 
     def new_kv(self, capacity: int = 0) -> LeanKV:

@@ -231,11 +231,14 @@ def _random_inputs(rows: int, linears: list[Linear]) -> dict[int, torch.Tensor]:
     return inputs
 
 
+def smallest_bucket(n: int, buckets) -> int | None:
+    """The smallest bucket holding ``n``, or None when ``n`` is past the largest."""
+    return next((b for b in buckets if b >= n), None)
+
+
 def bucket_of(rows: int, buckets=BUCKETS) -> int:
-    for bucket in buckets:
-        if rows <= bucket:
-            return bucket
-    return buckets[-1]
+    """``smallest_bucket``, or the largest bucket past it (a table row stands for every larger count)."""
+    return smallest_bucket(rows, buckets) or buckets[-1]
 
 
 def choose_backends(table: dict[int, dict[str, float]], backends: dict[str, Backend]) -> dict[int, str]:

@@ -43,17 +43,13 @@ import torch
 import torch.nn.functional as F
 
 from specdec.lean.kv import LeanKV
+from specdec.lean.matmul import smallest_bucket
 
 log = logging.getLogger(__name__)
 
 SESSION_BUCKETS = (1, 2, 4, 8, 16)  # sessions per pass a graph is captured for
 TOKEN_BUCKETS = (1, 2, 4, 8, 16)  # new tokens per session a graph is captured for (decode, verify of k <= 15)
 SCRATCH_SLOT = 0
-
-
-def bucket(n: int, buckets: Sequence[int]) -> int | None:
-    """The smallest bucket holding ``n``, or None when ``n`` is past the largest."""
-    return next((b for b in buckets if b >= n), None)
 
 
 class SlotPool:
@@ -159,7 +155,7 @@ class StaticPasses:
 
     def shape_for(self, kvs: Sequence[LeanKV], fed: Sequence[int]) -> tuple[int, int] | None:
         """The (sessions, tokens) bucket of this pass, or None when it must run eagerly."""
-        sessions, tokens = bucket(len(kvs), SESSION_BUCKETS), bucket(max(fed), TOKEN_BUCKETS)
+        sessions, tokens = smallest_bucket(len(kvs), SESSION_BUCKETS), smallest_bucket(max(fed), TOKEN_BUCKETS)
         if self.model.batch_invariant and tokens is not None:
             # One shape for every pass: a row's products then never depend on how many rows came
             # with it, so a token verified among drafts gets the logits it gets decoded alone.
