@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 # The suite runs on the default runtime (lean where it supports the model); the exactness tests run
 # again on transformers' forward, the fallback for every other architecture, and on the static-shape
 # passes a GPU replays as CUDA graphs (run eagerly here).
-EXACTNESS_TESTS = tests/test_greedy_equality.py tests/test_batching.py tests/test_distribution.py
+EXACTNESS_TESTS = tests/test_greedy_equality.py tests/test_batching.py tests/test_distribution.py tests/test_device_decisions.py
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15
 	SPECDEC_RUNTIME=hf $(PY) -m pytest -q -p no:cacheprovider -m "not embedded" $(EXACTNESS_TESTS)

@@ -108,14 +108,27 @@ def accept_speculative(
         raise ValueError("need k+1 target rows and draw keys and k draft distributions")
     vocab_size = target_probs.shape[-1]
     p = target_probs.float()
+    # ``p`` may live on an accelerator: the host reads p_i(x_i) of every draft at once (k values), then
+    # at most one row (the residual or p_{k+1}) for the inverse CDF; never the whole [k+1, V] block.
+    p_at_drafts = _probs_at(p, draft_tokens)
     for i, token in enumerate(draft_tokens):
         r = draws[i].uniform(DRAW_ACCEPT)
         q_token = draft_probs[i].prob_of(token)
-        p_token = float(p[i, token]) if 0 <= token < vocab_size else 0.0
-        if q_token > 0.0 and r * q_token < p_token:  # r < p/q without dividing
+        if q_token > 0.0 and r * q_token < p_at_drafts[i]:  # r < p/q without dividing
             continue
-        residual = residual_distribution(p[i], draft_probs[i].to_dense(vocab_size))
+        residual = residual_distribution(p[i], draft_probs[i].to_dense(vocab_size, device=p.device))
         recovered = inverse_cdf(residual, draws[i].uniform(DRAW_TOKEN))
         return AcceptanceResult(i, k, [int(t) for t in draft_tokens[:i]] + [recovered])
     bonus = inverse_cdf(p[k], draws[k].uniform(DRAW_TOKEN))
     return AcceptanceResult(k, k, [int(t) for t in draft_tokens] + [bonus])
+
+
+def _probs_at(p: torch.Tensor, draft_tokens: Sequence[int]) -> list[float]:
+    """p_i(x_i) for each draft i, read in one gather (0 for an id outside p's vocabulary)."""
+    vocab_size = p.shape[-1]
+    inside = [0 <= int(t) < vocab_size for t in draft_tokens]
+    if not any(inside):
+        return [0.0] * len(draft_tokens)
+    ids = torch.tensor([int(t) if ok else 0 for t, ok in zip(draft_tokens, inside)], device=p.device)
+    values = p[torch.arange(len(draft_tokens), device=p.device), ids].tolist()
+    return [v if ok else 0.0 for v, ok in zip(values, inside)]

@@ -109,7 +109,7 @@ class ModelDraftSession(DraftSession):
         self.kv = KVSession(lm)
 
     def prefill(self) -> None:
-        self.kv.forward(self.tokens, 1, self.committed_length)
+        self.kv.forward(self.tokens, 1, self.committed_length, on_device=True)  # its logits go unread
 
     def propose(self, num_draft_tokens: int) -> DraftProposal:
         return draft_together(self.lm, [(self, num_draft_tokens)])[0]
@@ -129,7 +129,8 @@ class ModelDraftSession(DraftSession):
 def choose_draft(logits, params: SamplingParams, vocab_size: int, position: int) -> tuple[int, SparseDistribution | None]:
     """The draft token at ``position`` from a draft's ``logits`` [1, V]: greedy, the argmax (q one-hot,
     returned as None); sampling, a draw from the processed, top-K-truncated distribution, returned as
-    the exact q it was drawn from (position-keyed: the same seed and position draw the same u)."""
+    the exact q it was drawn from (position-keyed: the same seed and position draw the same u).
+    ``logits`` may stay on the draft's device: the host reads one token, or the K-entry support."""
     if params.greedy:
         return int(greedy_tokens(logits, vocab_size)[0]), None
     q = truncate_top_k(process_logits(logits, params, vocab_size)[0], params.draft_top_k)
@@ -145,7 +146,7 @@ def draft_together(lm: LoadedModel, requests: list[tuple[ModelDraftSession, int]
     while active:
         rows = [ForwardRow(session.kv, session.tokens + drafts[i], 1, session.committed_length)
                 for i in active for session in (requests[i][0],)]
-        for i, logits in zip(active, batched_forward(lm, rows)):
+        for i, logits in zip(active, batched_forward(lm, rows, on_device=True)):
             requests[i][0]._draft_from(logits, drafts[i], probs[i])
         active = [i for i in active if len(drafts[i]) < requests[i][1]]
     return [DraftProposal(d, p) for d, p in zip(drafts, probs)]

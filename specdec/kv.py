@@ -162,16 +162,17 @@ class KVSession:
         self.last_fed = len(feed)
         self.committed = min(committed, len(self.cached_tokens))
 
-    def forward(self, tokens: list[int], num_logits: int = 1, committed: int = 0) -> torch.Tensor:
-        """Logits (fp32, [num_logits, V]) for the last ``num_logits`` positions of ``tokens``, whose
-        first ``committed`` tokens are committed (0: nothing is promised; the whole prefix is compared).
+    def forward(self, tokens: list[int], num_logits: int = 1, committed: int = 0, on_device: bool = False) -> torch.Tensor:
+        """Logits (fp32, [num_logits, V]; on the host, or where the model runs when ``on_device``) for
+        the last ``num_logits`` positions of ``tokens``, whose first ``committed`` tokens are committed
+        (0: nothing is promised; the whole prefix is compared).
 
         A forward that fails part-way (some layers grew, others not) leaves the cache where it was
         before the new tokens, as a failed batched pass does."""
         feed = self.prepare(tokens, num_logits)
         kept = len(self.cached_tokens)
         try:
-            logits = self.lm.forward(feed, self.cache, num_logits)
+            logits = self.lm.forward(feed, self.cache, num_logits, on_device)
         except BaseException:
             self.rollback_to(kept)
             raise

@@ -134,20 +134,21 @@ class LoadedModel:
             handle.remove()
 
     @torch.inference_mode()
-    def forward(self, input_ids: list[int], cache, num_logits: int) -> torch.Tensor:
-        """Feed ``input_ids`` after what ``cache`` holds; return fp32 logits [num_logits, V]."""
+    def forward(self, input_ids: list[int], cache, num_logits: int, on_device: bool = False) -> torch.Tensor:
+        """Feed ``input_ids`` after what ``cache`` holds; return fp32 logits [num_logits, V], on the
+        host or (``on_device``) where the model runs."""
         if isinstance(cache, LeanKV):
-            return self.lean.forward([cache], [input_ids], [num_logits])
+            return logits_to(self.lean.forward([cache], [input_ids], [num_logits]), on_device)
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
-        return self.forward_rows(ids, cache, num_logits)[0]
+        return self.forward_rows(ids, cache, num_logits, on_device=on_device)[0]
 
     @torch.inference_mode()
     def forward_rows(self, ids: torch.Tensor, cache, keep: int | torch.Tensor, position_ids: torch.Tensor | None = None,
-                     attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """One forward over ``ids`` [B, N] after ``cache``; fp32 logits (CPU) [B, keep, V] of the last
-        ``keep`` columns, or [B, len(keep), V] of the columns a 1-D index tensor ``keep`` names.
-        Batched passes give per-row ``position_ids`` and a 4D mask (which makes transformers skip
-        building its own)."""
+                     attention_mask: torch.Tensor | None = None, on_device: bool = False) -> torch.Tensor:
+        """One forward over ``ids`` [B, N] after ``cache``; fp32 logits [B, keep, V] of the last
+        ``keep`` columns, or [B, len(keep), V] of the columns a 1-D index tensor ``keep`` names, on the
+        host or (``on_device``) where the model runs. Batched passes give per-row ``position_ids``
+        and a 4D mask (which makes transformers skip building its own)."""
         kwargs = {self._cache_kwarg: cache, "use_cache": True}
         if position_ids is not None:
             kwargs["position_ids"] = position_ids
@@ -159,9 +160,15 @@ class LoadedModel:
             reduced = hidden @ self._head_weight.T
             logits = torch.full((*reduced.shape[:2], self.logits_width), -torch.inf, device=self.device)
             logits[..., self.head_token_ids] = reduced.float()
-            return logits.cpu()
+            return logits_to(logits, on_device)
         logits = self.model(input_ids=ids, logits_to_keep=keep, **kwargs).logits
-        return (logits[:, -keep:] if isinstance(keep, int) else logits).float().cpu()
+        return logits_to((logits[:, -keep:] if isinstance(keep, int) else logits).float(), on_device)
+
+
+def logits_to(logits: torch.Tensor, on_device: bool) -> torch.Tensor:
+    """A pass's logits where its caller decides: left on the model's device (the verifier and the
+    drafter pick tokens there and read back only those), or copied to the host."""
+    return logits if on_device else logits.cpu()
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

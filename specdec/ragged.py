@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.kv import KVSession
-from specdec.lm import LoadedModel
+from specdec.lm import LoadedModel, logits_to
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +51,14 @@ class ForwardRow:
     features_start: int = 0
 
 
-def batched_forward(lm: LoadedModel, rows: Sequence[ForwardRow]) -> list[torch.Tensor]:
-    """Logits (fp32, [num_logits, V]) per row, from one forward pass of ``lm`` over all rows; rows
-    that ask for ``num_features`` get their ``features`` too (see ``ForwardRow``)."""
+def batched_forward(lm: LoadedModel, rows: Sequence[ForwardRow], on_device: bool = False) -> list[torch.Tensor]:
+    """Logits (fp32, [num_logits, V]) per row, from one forward pass of ``lm`` over all rows, on the
+    host or (``on_device``) where the model runs; rows that ask for ``num_features`` get their
+    ``features`` too (see ``ForwardRow``)."""
     if not any(row.num_features for row in rows):
-        return _batched_logits(lm, rows)
+        return _batched_logits(lm, rows, on_device)
     with lm.captured_features() as passes:
-        logits = _batched_logits(lm, rows)
+        logits = _batched_logits(lm, rows, on_device)
     # One packed pass or one pass per row: either way every row's fed tokens, row after row.
     packed = torch.cat(passes) if len(passes) != 1 else passes[0]
     fed = [row.kv.last_fed for row in rows]
@@ -70,7 +71,7 @@ def batched_forward(lm: LoadedModel, rows: Sequence[ForwardRow]) -> list[torch.T
     return logits
 
 
-def _batched_logits(lm: LoadedModel, rows: Sequence[ForwardRow]) -> list[torch.Tensor]:
+def _batched_logits(lm: LoadedModel, rows: Sequence[ForwardRow], on_device: bool) -> list[torch.Tensor]:
     """Logits (fp32, [num_logits, V]) per row, from one forward pass of ``lm`` over all rows.
 
     Invariant: afterwards each row's KV session holds exactly ``row.tokens``, as after
@@ -83,9 +84,9 @@ def _batched_logits(lm: LoadedModel, rows: Sequence[ForwardRow]) -> list[torch.T
     widen every row to it).
     """
     if len(rows) > 1 and lm.lean is not None and all(row.kv.lean_cache is not None for row in rows):
-        return _lean_batched_forward(lm, rows)
+        return _lean_batched_forward(lm, rows, on_device)
     if len(rows) == 1 or not lm.ragged_attention or any(row.kv.growing_layers is None for row in rows):
-        return [row.kv.forward(row.tokens, row.num_logits, row.committed) for row in rows]
+        return [row.kv.forward(row.tokens, row.num_logits, row.committed, on_device) for row in rows]
     feeds = [row.kv.prepare(row.tokens, row.num_logits) for row in rows]
     past_lengths = [len(row.kv) for row in rows]
     fed = [len(feed) for feed in feeds]
@@ -103,7 +104,8 @@ def _batched_logits(lm: LoadedModel, rows: Sequence[ForwardRow]) -> list[torch.T
     try:
         # A 4D mask skips transformers' mask building; the ragged attention masks each row itself.
         logits = lm.forward_rows(ids, cache, keep, position_ids=position_ids,
-                                 attention_mask=torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device))
+                                 attention_mask=torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device),
+                                 on_device=on_device)
     except BaseException:
         for row, past in zip(rows, past_lengths):  # layers the pass reached grew: roll every row back
             row.kv.rollback_to(past)
@@ -123,11 +125,12 @@ def _hand_out(rows: Sequence[ForwardRow], feeds: list[list[int]], logits: torch.
     return out
 
 
-def _lean_batched_forward(lm: LoadedModel, rows: Sequence[ForwardRow]) -> list[torch.Tensor]:
+def _lean_batched_forward(lm: LoadedModel, rows: Sequence[ForwardRow], on_device: bool) -> list[torch.Tensor]:
     """The lean runtime's pass: ``LeanModel.forward`` packs the rows itself (one attention call per
     layer with a block mask); a pass that fails leaves every cache at its prepared length."""
     feeds = [row.kv.prepare(row.tokens, row.num_logits) for row in rows]
-    logits = lm.lean.forward([row.kv.lean_cache for row in rows], feeds, [row.num_logits for row in rows])
+    logits = logits_to(lm.lean.forward([row.kv.lean_cache for row in rows], feeds, [row.num_logits for row in rows]),
+                       on_device)
     return _hand_out(rows, feeds, logits)
 
 

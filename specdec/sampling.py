@@ -173,13 +173,13 @@ class SparseDistribution:
         hit = (self.token_ids == token_id).nonzero()
         return float(self.probs[hit[0, 0]]) if hit.numel() else 0.0
 
-    def to_dense(self, vocab_size: int) -> torch.Tensor:
-        """Dense fp32 vector over ``vocab_size`` ids; support ids >= vocab_size are dropped
-        (the target gives them p = 0, so they only ever reject)."""
-        dense = torch.zeros(vocab_size, dtype=torch.float32)
+    def to_dense(self, vocab_size: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """Dense fp32 vector over ``vocab_size`` ids (on ``device``, default the host); support ids
+        >= vocab_size are dropped (the target gives them p = 0, so they only ever reject)."""
         keep = self.token_ids < vocab_size
+        dense = torch.zeros(vocab_size, dtype=torch.float32)
         dense[self.token_ids[keep]] = self.probs[keep].float()
-        return dense
+        return dense if device is None else dense.to(device)
 
     def sample(self, u: float) -> int:
         """The id that the uniform ``u`` in [0, 1) picks by inverse CDF (never an id with q = 0)."""
@@ -194,8 +194,9 @@ def truncate_top_k(probs: torch.Tensor, k: int) -> SparseDistribution:
     """
     k = min(k, probs.shape[-1])
     top = torch.topk(probs.float(), k)
-    keep = top.values > 0
-    values, ids = top.values[keep], top.indices[keep]
+    values, ids = top.values.cpu(), top.indices.cpu()  # the support is what the host keeps (k entries)
+    keep = values > 0
+    values, ids = values[keep], ids[keep]
     return SparseDistribution(ids.long(), values / values.sum())
 
 

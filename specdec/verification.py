@@ -79,7 +79,7 @@ class TargetSession:
 
     def verify(self, proposal: DraftProposal) -> Verdict:
         row = self.forward_row(proposal)
-        return self.commit(proposal, batched_forward(self.target, [row])[0], row)
+        return self.commit(proposal, batched_forward(self.target, [row], on_device=True)[0], row)
 
     def forward_row(self, proposal: DraftProposal) -> ForwardRow:
         """The forward this verification needs: the pending token and the drafts, k + 1 logits (and,
@@ -125,7 +125,10 @@ class TargetSession:
 
     def commit(self, proposal: DraftProposal, logits, row: ForwardRow | None = None) -> Verdict:
         """Accept or reject ``proposal`` given the target's logits at its k + 1 positions (``row``:
-        the pass's row, whose features a session that wants them sends)."""
+        the pass's row, whose features a session that wants them sends).
+
+        ``logits`` stay where the pass left them (the GPU, in a GPU verifier): greedy reads back the
+        k + 1 argmax tokens, sampling the k values p_i(x_i) and one row (``accept_speculative``)."""
         if row is not None:
             self.take_features(row)
         drafts = [int(t) for t in proposal.draft_tokens]
@@ -224,7 +227,7 @@ def verify_batch(target: LoadedModel, jobs: list[VerifyJob]) -> list[Verdict | E
     A ``PrefillChunk`` job's result is None: it only fills its session's cache."""
     rows = [job.forward_row() if isinstance(job, PrefillChunk) else job[0].forward_row(job[1]) for job in jobs]
     results: list[Verdict | Exception | None] = []
-    for job, row, logits in zip(jobs, rows, batched_forward(target, rows), strict=True):
+    for job, row, logits in zip(jobs, rows, batched_forward(target, rows, on_device=True), strict=True):
         if isinstance(job, PrefillChunk):
             job.session.take_features(row)
             results.append(None)

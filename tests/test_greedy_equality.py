@@ -316,9 +316,9 @@ def test_verification_feeds_only_the_new_suffix(tiny_target, tiny_noisy_draft, r
     def recording(lm, tag):
         original = lm.forward
 
-        def forward(input_ids, cache, num_logits):
+        def forward(input_ids, cache, num_logits, on_device=False):
             before = cache.get_seq_length()
-            logits = original(input_ids, cache, num_logits)
+            logits = original(input_ids, cache, num_logits, on_device)
             assert cache.get_seq_length() == before + len(input_ids)
             fed.append((tag, len(input_ids), before))
             return logits

@@ -35,6 +35,8 @@ STEERING_SYSTEM_PROMPTS = (
     "You are an expert in science, history and the humanities: users ask you questions to learn.",
     "You are an assistant that works on text users paste in: summarising, extracting facts, rewriting.",
     "You are a role-play partner: users ask you to act as a character or a professional.",
+    "You are a Python assistant: users give you a function's signature and docstring to complete, "
+    "or describe a function to write.",
 )
 
 
@@ -147,7 +149,13 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--steering", type=int, nargs="+", default=None, metavar="INDEX",
+                   help="which STEERING_SYSTEM_PROMPTS the batches rotate through (0: the template's default, "
+                        "1: programming, 2: mathematics, ...); default all")
     args = p.parse_args(argv)
+    steering = args.steering if args.steering is not None else range(len(STEERING_SYSTEM_PROMPTS))
+    if not steering or any(not 0 <= i < len(STEERING_SYSTEM_PROMPTS) for i in steering):
+        p.error(f"--steering: indices 0..{len(STEERING_SYSTEM_PROMPTS) - 1}")
     from tqdm import tqdm
 
     from specdec.models import load_model
@@ -162,7 +170,7 @@ def main(argv=None) -> int:
                        max_tokens=args.max_new_tokens)
     for text in kept:
         keep.remember(text)
-    prefixes = [user_turn_prefix(lm.tokenizer, system) for system in STEERING_SYSTEM_PROMPTS]
+    prefixes = [user_turn_prefix(lm.tokenizer, STEERING_SYSTEM_PROMPTS[i]) for i in steering]
     bar = tqdm(total=args.count, initial=min(len(kept), args.count), desc="user requests", unit="request")
     batch_index = len(kept)  # a resumed run draws different seeds
     start = time.monotonic()

@@ -119,8 +119,9 @@ class LeanModel:
 
     @torch.inference_mode()
     def forward(self, kvs: Sequence[LeanKV], feeds: Sequence[Sequence[int]], num_logits: Sequence[int]) -> torch.Tensor:
-        """Feed ``feeds[i]`` after what ``kvs[i]`` holds, for every i in one pass; fp32 logits (CPU)
-        [sum(num_logits), V]: the last ``num_logits[i]`` positions of each feed, session after session.
+        """Feed ``feeds[i]`` after what ``kvs[i]`` holds, for every i in one pass; fp32 logits
+        [sum(num_logits), V] on the model's device: the last ``num_logits[i]`` positions of each feed,
+        session after session (callers decide on the device and read back only tokens).
 
         Each ``kvs[i]`` holds ``feeds[i]`` afterwards; a pass that raises leaves every one unchanged."""
         w = self.w
@@ -135,7 +136,7 @@ class LeanModel:
         if self.static is not None:
             shape = self.static.shape_for(kvs, fed)
             if shape is not None:
-                return self._full_width(self.static.run(kvs, feeds, num_logits, shape, self.feature_sink)).cpu()
+                return self._full_width(self.static.run(kvs, feeds, num_logits, shape, self.feature_sink))
         if self.numpy_pass is not None and len(kvs) == 1:
             backend = self.plan.backend(fed[0])
             with self.plan.regime(backend):
@@ -181,7 +182,7 @@ class LeanModel:
             logits = backend.mm(h, self.head.handles[backend.name]).float()
         for kv, p, n in zip(kvs, pasts, fed):  # the pass succeeded: every session now holds its feed
             kv.length = p + n
-        return self._full_width(logits).cpu()
+        return self._full_width(logits)
 
     def _session_by_session(self, kvs, feeds, num_logits) -> torch.Tensor:
         """``forward`` as one pass per session (batch-invariant mode), all or nothing as one pass."""
