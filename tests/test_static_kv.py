@@ -306,3 +306,19 @@ def test_half_precision_runs_the_same_passes(tiny_pair, monkeypatch):
     reference = eager.forward([eager.new_kv()], [prompt + continuation], [len(continuation)])
     scale = float(reference.abs().max())
     assert float((together - reference).abs().max()) <= 0.02 * scale  # bf16: ~3 significant digits
+
+
+def test_what_the_switches_pick_on_a_cuda_device():
+    """On CUDA graphs and the pool are on by default; ``--cuda-graphs off`` leaves today's eager
+    passes (no pool unless asked for); an explicit ``on`` that cannot hold is refused."""
+    from specdec.lm import ModelLoadError
+    from specdec.pass_options import PassOptions
+
+    assert PassOptions().resolve("cuda") == (True, True)
+    assert PassOptions().resolve("cpu") == (False, False)
+    assert PassOptions(cuda_graphs="off").resolve("cuda") == (False, False)
+    assert PassOptions(cuda_graphs="off", static_kv="on").resolve("cuda") == (True, False)
+    assert PassOptions(static_kv="off").resolve("cuda") == (False, False)
+    assert PassOptions(static_kv="on").resolve("cpu") == (True, False)
+    with pytest.raises(ModelLoadError, match="needs the static KV pool"):
+        PassOptions(cuda_graphs="on", static_kv="off").resolve("cuda")
