@@ -105,6 +105,13 @@ def test_held_out_records_come_only_from_the_named_directories(tmp_path):
     assert len(held) == 4 and len(training) == 36
     with pytest.raises(SystemExit, match="not among --data"):
         train.split_records([old], 4, [new], random.Random(0))
+    # Another run's held-out set by key (an EAGLE head's --heldout-from file names answers this way).
+    keys = {"new/shard-00000:3", "old/shard-00000:29"}
+    held, training = train.split_records([old, new], 4, [], random.Random(0), keys)
+    assert {r["key"] for r in held} == keys and len(training) == 38
+    assert [r["output_ids"] for r in sorted(held, key=lambda r: r["key"])] == [[3, 3], [29, 29]]
+    with pytest.raises(SystemExit, match="not answered records"):
+        train.split_records([old, new], 4, [], random.Random(0), {"new/shard-00000:10"})
 
 
 def test_positions_whose_top_k_lies_outside_the_draft_head_stay_out_of_the_loss(tiny_pair):

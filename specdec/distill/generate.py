@@ -76,6 +76,14 @@ def read_shards(directory: Path) -> list[dict]:
     return [r for shard in sorted(directory.glob("shard-*.pt")) for r in torch.load(shard, weights_only=False)]
 
 
+def keyed_records(directory: Path) -> list[tuple[str, dict]]:
+    """``read_shards`` with each record's key, ``"<directory name>/<shard>:<index in shard>"``: what
+    names one answer across tools (the draft's and the EAGLE head's held-out sets share them)."""
+    directory = Path(directory)
+    return [(f"{directory.name}/{shard.stem}:{i}", record) for shard in sorted(directory.glob("shard-*.pt"))
+            for i, record in enumerate(torch.load(shard, weights_only=False))]
+
+
 def answered_prompts(directories: list[Path]) -> set[tuple[int, ...]]:
     return {tuple(r["prompt_ids"]) for directory in directories for r in read_shards(directory)}
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.distill.evaluate import accepted_lengths, mean_accepted_length
-from specdec.distill.generate import read_shards
+from specdec.distill.generate import keyed_records
 
 
 def draft_config(target_config, hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int):
@@ -66,18 +66,27 @@ def frequent_tokens(records: list[dict], size: int, vocab_size: int, always: lis
 
 
 def load_records(data_dir: Path) -> list[dict]:
-    return [r for r in read_shards(data_dir) if r["output_ids"]]
+    """The answered records of a data directory, each with its ``key`` (``keyed_records``)."""
+    return [{**r, "key": key} for key, r in keyed_records(data_dir) if r["output_ids"]]
 
 
 def split_records(directories: list[Path], holdout: int, holdout_from: list[Path],
-                  rng: random.Random) -> tuple[list[dict], list[dict]]:
-    """(held-out, training) records, shuffled; the held-out ones come from ``holdout_from`` if given."""
+                  rng: random.Random, holdout_keys: set[str] | None = None) -> tuple[list[dict], list[dict]]:
+    """(held-out, training) records, shuffled; the held-out ones come from ``holdout_from`` if given,
+    or are exactly the records named by ``holdout_keys`` (another run's held-out set)."""
     unknown = set(holdout_from) - set(directories)
     if unknown:
         raise SystemExit(f"--holdout-from {', '.join(map(str, sorted(unknown)))} is not among --data")
     pools = {directory: load_records(directory) for directory in directories}
     candidates = [r for directory in (holdout_from or directories) for r in pools[directory]]
     rng.shuffle(candidates)
+    if holdout_keys is not None:
+        candidates = [r for r in candidates if r["key"] in holdout_keys]
+        missing = holdout_keys - {r["key"] for r in candidates}
+        if missing:
+            raise SystemExit(f"--heldout-keys: {len(missing)} keys are not answered records of --data "
+                             f"(e.g. {sorted(missing)[0]})")
+        holdout = len(candidates)
     held = candidates[:holdout]
     held_ids = {id(r) for r in held}
     train = [r for records in pools.values() for r in records if id(r) not in held_ids]
@@ -158,7 +167,7 @@ def batch_loss(model, batch: list[dict], head_ids: torch.Tensor, position_of: to
 def evaluate(model, records: list[dict], head_ids: torch.Tensor, k: int = 5) -> dict:
     """Teacher-forced top-1 agreement on held-out answers, and the greedy accepted length it implies."""
     model.eval()
-    agree_total, count, lengths = 0, 0, []
+    agree_total, greedy_total, count, lengths = 0, 0, 0, []
     head = model.get_input_embeddings().weight[head_ids]
     for record in records:
         sequence = torch.tensor([record["prompt_ids"] + record["output_ids"]])
@@ -167,11 +176,15 @@ def evaluate(model, records: list[dict], head_ids: torch.Tensor, k: int = 5) -> 
         predicted = head_ids[(hidden @ head.T).argmax(-1)]
         agree = (predicted == torch.tensor(record["output_ids"])).tolist()
         agree_total += sum(agree)
+        greedy_total += int((predicted == record["topk_ids"][:, 0].long()).sum())
         count += n
         if record.get("temperature", 0.0) == 0.0:
             lengths.extend(accepted_lengths(agree, k))
     model.train()
-    return {"top1_agree": agree_total / max(count, 1), f"mean_accepted_length_k{k}": mean_accepted_length(lengths)}
+    # greedy_agree: against the target's own top token at each position (what the EAGLE head's held-out
+    # agreement counts), which differs from the answer's token where the answer was sampled.
+    return {"top1_agree": agree_total / max(count, 1), "greedy_agree": greedy_total / max(count, 1),
+            f"mean_accepted_length_k{k}": mean_accepted_length(lengths)}
 
 
 def main(argv=None) -> int:
@@ -196,6 +209,9 @@ def main(argv=None) -> int:
     p.add_argument("--holdout-from", type=Path, action="append", default=[],
                    help="draw the held-out records from these --data directories only (with --init-from: "
                         "data the earlier draft never saw, so held-out agreement is not inflated by memory)")
+    p.add_argument("--heldout-keys", type=Path, default=None,
+                   help="hold out exactly the records a JSON file's \"keys\" name (e.g. an EAGLE head's "
+                        "--heldout-from file), so that two methods are scored on the same answers")
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--max-minutes", type=float, default=180.0, help="stop (with a checkpoint) after this long")
@@ -218,7 +234,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
-    holdout, train = split_records(args.data, args.holdout, args.holdout_from, random.Random(args.seed))
+    holdout_keys = set(json.loads(args.heldout_keys.read_text())["keys"]) if args.heldout_keys else None
+    holdout, train = split_records(args.data, args.holdout, args.holdout_from, random.Random(args.seed), holdout_keys)
     answer_tokens = sum(len(r["output_ids"]) for r in train)
     print(f"{len(train)} training records ({answer_tokens} answer tokens), {len(holdout)} held out")
 
@@ -239,12 +256,12 @@ def main(argv=None) -> int:
          {"params": [p for n, p in model.named_parameters() if p.ndim < 2 or "embed" in n], "weight_decay": 0.0}],
         lr=args.lr, betas=(0.9, 0.98),
     )
-    step = 0
+    step, tokens_seen = 0, 0  # tokens_seen: positions trained on (prompt and answer), as eagle-train counts
     if checkpoint.exists():
         state = torch.load(checkpoint, weights_only=False)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        step = state["step"]
+        step, tokens_seen = state["step"], state.get("tokens_seen", 0)
         print(f"resumed at step {step}")
     elif not args.init_from:
         init_from_target(model, target.model)
@@ -302,9 +319,10 @@ def main(argv=None) -> int:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         step += 1
+        tokens_seen += sum(len(r["prompt_ids"]) + len(r["output_ids"]) - 1 for r in batch)
         bar.update(1)
         bar.set_postfix(kd=f"{info['kd']:.3f}", agree=f"{info['top1_agree']:.3f}")
-        entry = {"step": step, "lr": lr, "elapsed_s": round(time.monotonic() - start, 1), **info}
+        entry = {"step": step, "tokens_seen": tokens_seen, "lr": lr, "elapsed_s": round(time.monotonic() - start, 1), **info}
         out_of_time = time.monotonic() - start > budget_s
         if step % args.eval_every == 0 or step == args.steps or out_of_time:  # the last step is a candidate too
             entry["eval"] = evaluate(model, holdout, head_ids)
@@ -318,7 +336,8 @@ def main(argv=None) -> int:
         log.flush()
         if step % args.checkpoint_every == 0 or step == args.steps or out_of_time:
             tmp = checkpoint.with_suffix(".tmp")
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp)
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                        "tokens_seen": tokens_seen}, tmp)
             tmp.rename(checkpoint)
         if out_of_time:
             bar.write(f"time budget reached at step {step}; rerun to resume")

@@ -73,14 +73,11 @@ def teacher_force(target, sequences: list[list[int]], token_budget: int = 8192) 
 
 def answer_records(directories: list[Path]) -> list[dict]:
     """Every answered record in these ``train-draft data`` directories (shard order), keyed by origin."""
-    records = []
-    for directory in directories:
-        for shard in sorted(Path(directory).glob("shard-*.pt")):
-            for i, record in enumerate(torch.load(shard, weights_only=False)):
-                if record["output_ids"]:
-                    records.append({"key": f"{Path(directory).name}/{shard.stem}:{i}", "source": record["source"],
-                                    "prompt_ids": list(record["prompt_ids"]), "output_ids": list(record["output_ids"])})
-    return records
+    from specdec.distill.generate import keyed_records
+
+    return [{"key": key, "source": record["source"], "prompt_ids": list(record["prompt_ids"]),
+             "output_ids": list(record["output_ids"])}
+            for directory in directories for key, record in keyed_records(directory) if record["output_ids"]]
 
 
 def generate_answers(target_name: str, out: Path, prompts: int, seed: int, batch_size: int, max_new_tokens: int,
