@@ -340,7 +340,7 @@ def test_the_learning_curve_counts_tokens_across_stages_and_plots_other_learners
     learner's points; the PNG is written and the points printed."""
     import json as _json
 
-    from specdec.eagle.curve import curve_points, main, parse_series
+    from specdec.eagle.curve import curve_points, draft_points, main, parse_series
 
     runs = []
     for stage, (seen, acc) in enumerate([((100, 200), (0.1, 0.2)), ((50, 150), (0.3, 0.4))]):
@@ -359,6 +359,15 @@ def test_the_learning_curve_counts_tokens_across_stages_and_plots_other_learners
           "--reference", "floor=0.5"])
     assert out.read_bytes()[:4] == b"\x89PNG"
     assert _json.loads(capsys.readouterr().out)[-1]["acc1"] == 0.4
+    # An independent draft's own run (train-draft train's log: tokens_seen, eval.greedy_agree).
+    draft_run = tmp_path / "draft"
+    draft_run.mkdir()
+    log = [{"step": 1, "tokens_seen": 90}, {"step": 2, "tokens_seen": 180, "eval": {"top1_agree": 0.2, "greedy_agree": 0.25}}]
+    (draft_run / "train_log.jsonl").write_text("\n".join(_json.dumps(x) for x in log) + "\n")
+    assert draft_points(draft_run) == [(180.0, 0.25)]
+    main(["--run", str(runs[0]), "--out", str(out), "--draft-run", f"independent draft={draft_run}"])
+    with pytest.raises(ValueError, match="no evaluation"):
+        draft_points(runs[0])
 
 
 def test_eagle_ids_reranks_a_heads_ids_by_the_data_and_keeps_what_it_drafts_from(target, tiny_pair, tmp_path):

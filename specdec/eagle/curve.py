@@ -4,7 +4,8 @@
 ``train_log.jsonl`` (stages of one curriculum, in order: a later stage's tokens count on from the
 earlier's) and plots teacher-forced agreement at depths 1..3 on the held-out target answers, with
 optional reference lines (``--reference "independent draft=0.46"``) and other learners' curves read
-from their own logs (``--series "LABEL=TOKENS:AGREEMENT,..."``). Also prints the points as JSON.
+from their own logs (``--series "LABEL=TOKENS:AGREEMENT,..."``, or ``--draft-run LABEL=DIR`` for a
+``train-draft train`` run). Also prints the points as JSON.
 """
 
 from __future__ import annotations
@@ -26,6 +27,19 @@ def curve_points(runs: list[Path]) -> list[dict]:
                 points.append({"stage": stage, "step": entry["step"], "tokens": offset + entry.get("tokens_seen", 0),
                                **{k: entry["eval"][k] for k in ("acc1", "acc2", "acc3") if k in entry["eval"]}})
         offset += last
+    return points
+
+
+def draft_points(run: Path) -> list[tuple[float, float]]:
+    """(tokens seen, held-out agreement with the target's top token) per evaluation of a ``train-draft
+    train`` run (the independent draft), read from its ``train_log.jsonl``."""
+    points = []
+    for line in (Path(run) / "train_log.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        if "eval" in entry and "greedy_agree" in entry["eval"]:
+            points.append((float(entry["tokens_seen"]), float(entry["eval"]["greedy_agree"])))
+    if not points:
+        raise ValueError(f"{run}: no evaluation with tokens_seen and greedy_agree in its train_log.jsonl")
     return points
 
 
@@ -52,8 +66,10 @@ def plot(points: list[dict], references: dict[str, float], out: Path, title: str
         start = min(p["tokens"] for p in points if p["stage"] == stage) / 1e3
         ax.axvline(start, color="grey", linewidth=0.6)
         ax.text(start, ax.get_ylim()[1] * 0.98, f" stage {stage}", va="top", fontsize=8, color="grey")
-    for label, values in (series or {}).items():
-        ax.plot([t / 1e3 for t, _ in values], [v for _, v in values], "D-", color="black", markersize=3, label=label)
+    colors = ("black", "tab:red", "tab:purple", "tab:brown")
+    for i, (label, values) in enumerate((series or {}).items()):
+        ax.plot([t / 1e3 for t, _ in values], [v for _, v in values], "D-", color=colors[i % len(colors)],
+                markersize=3, label=label)
     for label, value in references.items():
         ax.axhline(value, color="black", linewidth=0.8, linestyle="-.")
         ax.text(0, value, f" {label}", va="bottom", fontsize=8)
@@ -75,6 +91,8 @@ def main(argv=None) -> int:
     p.add_argument("--reference", action="append", default=[], metavar="LABEL=VALUE", help="a horizontal line")
     p.add_argument("--series", action="append", default=[], metavar="LABEL=TOKENS:VALUE,...",
                    help="another learner's curve (e.g. the independent draft's held-out top-1 by tokens seen)")
+    p.add_argument("--draft-run", action="append", default=[], metavar="LABEL=DIR",
+                   help="an independent draft's `train-draft train --out` directory, plotted from its log")
     p.add_argument("--title", default="EAGLE head: held-out agreement against training tokens")
     args = p.parse_args(argv)
     references = {}
@@ -82,7 +100,11 @@ def main(argv=None) -> int:
         label, _, value = item.rpartition("=")
         references[label] = float(value)
     points = curve_points(args.run)
-    plot(points, references, args.out, args.title, dict(parse_series(item) for item in args.series))
+    series = dict(parse_series(item) for item in args.series)
+    for item in args.draft_run:
+        label, _, run = item.rpartition("=")
+        series[label or "independent draft"] = draft_points(Path(run))
+    plot(points, references, args.out, args.title, series)
     print(json.dumps(points))
     return 0
 
