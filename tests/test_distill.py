@@ -161,6 +161,31 @@ def test_the_target_writes_user_requests_that_resume_and_feed_the_answers(tiny_p
     assert all(r["chat"] for r in records)
 
 
+def test_steering_picks_which_system_prompts_the_requests_are_sampled_under(tiny_pair, tiny_target, tmp_path, monkeypatch):
+    """--steering 1 7 rotates through those two prompts only; the default is the general mix (0-6),
+    so earlier recipes sample as before; an unknown index is a usage error."""
+    _, target_dir, _ = tiny_pair
+    seen = []
+
+    def fake_requests(lm, prefix, batch_size, *args):
+        seen.append(tuple(prefix))
+        return [(f"request {len(seen)} {i}", 8, True) for i in range(2)]
+
+    monkeypatch.setattr(queries, "sample_requests", fake_requests)
+    base = ["--target", str(target_dir), "--batch-size", "2", "--threads", "1", "--dtype", "float32",
+            "--decontaminate-words", "50"]
+    tokenizer = tiny_target.tokenizer
+    prefix_of = {i: tuple(queries.user_turn_prefix(tokenizer, queries.STEERING_SYSTEM_PROMPTS[i]))
+                 for i in range(len(queries.STEERING_SYSTEM_PROMPTS))}
+    assert queries.main([*base, "--out", str(tmp_path / "code"), "--count", "8", "--steering", "1", "7"]) == 0
+    assert seen == [prefix_of[1], prefix_of[7]] * 2
+    seen.clear()
+    assert queries.main([*base, "--out", str(tmp_path / "mix"), "--count", "14"]) == 0
+    assert seen == [prefix_of[i] for i in queries.DEFAULT_STEERING] == [prefix_of[i] for i in range(7)]
+    with pytest.raises(SystemExit):
+        queries.main([*base, "--out", str(tmp_path / "bad"), "--steering", str(len(queries.STEERING_SYSTEM_PROMPTS))])
+
+
 def test_requests_overlapping_a_benchmark_prompt_are_dropped():
     from specdec.bench.prompts import load_prompts
 

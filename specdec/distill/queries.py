@@ -38,6 +38,9 @@ STEERING_SYSTEM_PROMPTS = (
     "You are a Python assistant: users give you a function's signature and docstring to complete, "
     "or describe a function to write.",
 )
+# The general mix a run rotates through unless told otherwise (the recipes of the shipped draft and
+# head's stages 3-4); later entries are for runs that ask for them (``--steering``).
+DEFAULT_STEERING = tuple(range(7))
 
 
 def user_turn_prefix(tokenizer, system: str | None = None) -> list[int]:
@@ -151,9 +154,10 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--steering", type=int, nargs="+", default=None, metavar="INDEX",
                    help="which STEERING_SYSTEM_PROMPTS the batches rotate through (0: the template's default, "
-                        "1: programming, 2: mathematics, ...); default all")
+                        "1: programming, 2: mathematics, ..., 7: Python functions from a signature and "
+                        "docstring); default 0-6, the general mix")
     args = p.parse_args(argv)
-    steering = args.steering if args.steering is not None else range(len(STEERING_SYSTEM_PROMPTS))
+    steering = args.steering if args.steering is not None else DEFAULT_STEERING
     if not steering or any(not 0 <= i < len(STEERING_SYSTEM_PROMPTS) for i in steering):
         p.error(f"--steering: indices 0..{len(STEERING_SYSTEM_PROMPTS) - 1}")
     from tqdm import tqdm
