@@ -4,7 +4,7 @@
 #   2. the target's pass per (sessions x new tokens), eager against CUDA graphs, fp32 and bf16
 #      (scripts/pass_curve.py: the 1-token pass and verify-8 / 1-token for docs/benchmarks.md)
 #   3. the exactness tests on CUDA: fp32 on static passes replayed as graphs (greedy equality,
-#      batching, distribution, static KV), and bf16 in --batch-invariant mode (speculation equals
+#      batching, distribution, static KV, host reads of the logits), and bf16 in --batch-invariant mode (speculation equals
 #      decoding one token at a time)
 #   4. spec vs baseline vs hf vs hf-assisted at one stream, then spec vs baseline at 1-16 streams
 # Run from the repository root with specdec importable (PYTHONPATH=$PWD plus its dependencies) and
@@ -31,7 +31,7 @@ done
 step exactness tests on CUDA
 SPECDEC_TEST_DEVICE=cuda SPECDEC_DTYPE=float32 timeout "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider \
   --timeout 60 -m "not embedded" tests/test_greedy_equality.py tests/test_batching.py tests/test_distribution.py \
-  tests/test_static_kv.py -rA > "$OUT/gpu_tests_fp32.log" 2>&1
+  tests/test_static_kv.py tests/test_device_decisions.py -rA > "$OUT/gpu_tests_fp32.log" 2>&1
 echo "fp32 tests rc=$?"; grep -E "passed|failed" "$OUT/gpu_tests_fp32.log" | tail -3
 SPECDEC_TEST_DEVICE=cuda SPECDEC_DTYPE=bfloat16 timeout 45 python3 -m pytest -q -p no:cacheprovider --timeout 40 \
   tests/test_static_kv.py -k "batch_invariant_speculation" -rA > "$OUT/gpu_tests_bf16_invariant.log" 2>&1

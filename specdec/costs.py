@@ -59,7 +59,9 @@ def measure_forward_curve(lm, max_tokens: int, prefix: int = FORWARD_CURVE_PREFI
                 extra = [rng.randrange(1, vocab) for _ in range(n)]
                 session.rollback(prefix)
                 start = time.perf_counter()
-                session.forward(prefix_ids + extra, n)  # feeds only ``extra`` after the cached prefix
+                # Feeds only ``extra`` after the cached prefix; reads back tokens, not logits, as a
+                # verdict does (on a GPU the read is also what waits for the pass).
+                session.forward(prefix_ids + extra, n, on_device=True).argmax(-1).tolist()
                 best[n - 1] = min(best[n - 1], time.perf_counter() - start)
     finally:
         session.close()

@@ -23,10 +23,11 @@ from specdec.ragged import ForwardRow, batched_forward
 from specdec.sampling import DraftProposal, SamplingParams, truncate_top_k
 from specdec.verification import TargetSession
 from specdec.kv import KVSession
+from tests.tiny_models import TEST_DEVICE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-HOST_READS = {"cpu", "tolist", "numpy", "item", "__float__", "__int__", "__bool__", "__index__"}
+HOST_READS = {"cpu", "tolist", "numpy", "item", "__float__", "__int__", "__bool__", "__index__", "__array__"}
 PROMPT = [5, 17, 42, 8, 99, 23, 4]
 K = 4
 
@@ -54,6 +55,8 @@ def reads(monkeypatch):
     original = specdec.lm.logits_to
 
     def marked(logits, on_device):
+        # What the model hands out is still where it ran (the passes copy nothing: see below).
+        assert logits.device.type == TEST_DEVICE.split(":")[0]
         return original(logits.as_subclass(Resident), on_device)
 
     monkeypatch.setattr(specdec.lm, "logits_to", marked)
@@ -125,3 +128,33 @@ def test_a_draft_step_reads_one_token_or_its_support(tiny_draft, reads, temperat
     else:  # per step: the top-K values and ids of the processed distribution
         assert read_elements(reads) == 3 * 2 * params.draft_top_k
         assert all(len(q.token_ids) <= params.draft_top_k and q.token_ids.device.type == "cpu" for q in proposal.draft_probs)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_the_lean_passes_copy_no_logits_to_the_host(tiny_target, monkeypatch, static):
+    """Upstream of ``logits_to``: the lean runtime's passes (one session, several, the static-shape
+    ones) hand out their logits without a host copy of them (``.cpu()`` or ``.to("cpu")`` of a
+    logits-sized tensor), which on a GPU would be the full [rows, V] transfer this issue removes."""
+    from specdec.lean import LeanModel
+
+    lean = LeanModel.from_hf(tiny_target.model, backend="torch")  # whatever runtime the suite runs on
+    if static:
+        lean.use_static_kv(4, 64, graphs=False)
+    width = lean.logits_width
+    copies = []
+    for name in ("cpu", "to"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            to_host = _name == "cpu" or any(str(a).startswith("cpu") for a in [*args, *kwargs.values()])
+            if to_host and self.numel() >= width:
+                copies.append((_name, tuple(self.shape)))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    one, other = lean.new_kv(), lean.new_kv()
+    lean.forward([one], [PROMPT], [1])
+    lean.forward([other], [PROMPT[:4]], [1])
+    logits = lean.forward([one, other], [[3, 4, 5], [6, 7]], [3, 2])
+    assert logits.shape == (5, width) and logits.device == lean.device
+    assert copies == []

@@ -86,6 +86,8 @@ def split_records(directories: list[Path], holdout: int, holdout_from: list[Path
         if missing:
             raise SystemExit(f"--heldout-keys: {len(missing)} keys are not answered records of --data "
                              f"(e.g. {sorted(missing)[0]})")
+        if len(candidates) != len(holdout_keys):  # keys name a directory by its last component only
+            raise SystemExit("--heldout-keys: two --data directories share a name, so their keys collide")
         holdout = len(candidates)
     held = candidates[:holdout]
     held_ids = {id(r) for r in held}
