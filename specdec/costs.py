@@ -46,6 +46,7 @@ def measure_forward_curve(lm, max_tokens: int, prefix: int = FORWARD_CURVE_PREFI
     minimum over reps is kept (load only ever adds time) and the curve is made non-decreasing.
     """
     from specdec.kv import KVSession
+    from specdec.sampling import greedy_tokens
 
     vocab = max(2, min(lm.vocab_size, 1000))
     rng = random.Random(0)
@@ -61,7 +62,7 @@ def measure_forward_curve(lm, max_tokens: int, prefix: int = FORWARD_CURVE_PREFI
                 start = time.perf_counter()
                 # Feeds only ``extra`` after the cached prefix; reads back tokens, not logits, as a
                 # verdict does (on a GPU the read is also what waits for the pass).
-                session.forward(prefix_ids + extra, n, on_device=True).argmax(-1).tolist()
+                greedy_tokens(session.forward(prefix_ids + extra, n, on_device=True), lm.vocab_size).tolist()
                 best[n - 1] = min(best[n - 1], time.perf_counter() - start)
     finally:
         session.close()
