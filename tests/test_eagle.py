@@ -216,6 +216,37 @@ def test_training_steps_reduce_the_loss(target, soft_labels):
     assert not any(p.grad is not None for p in (head.lm_head.weight, head.norm.weight))  # frozen by default
 
 
+def test_the_served_head_tokens_loss_is_the_loss_of_the_head_a_drafter_serves(target, tmp_path):
+    """``served_head_tokens=N`` trains what a drafter keeping the first N ids serves: the loss and
+    agreement equal those of the head loaded with only those ids (a label past them is no token loss,
+    and counts as a miss), and with a trained LM head only those rows get gradients."""
+    records = feature_records(target, seed=3)
+    batch = eagle_train.collate(records)
+    ids = list(range(target.vocab_size))
+    random.Random(1).shuffle(ids)
+    served = target.vocab_size // 3
+    perturbed_head(target, ids, seed=2).save(tmp_path / "head")
+    whole = EagleHead.load(tmp_path / "head", target)
+    cut = EagleHead.load(tmp_path / "head", target, max_head_tokens=served)
+    assert cut.head_token_ids.tolist() == ids[:served]
+    position_of = torch.full((target.vocab_size,), -1, dtype=torch.long)
+    position_of[whole.head_token_ids] = torch.arange(len(ids))
+    position_of_cut = torch.full((target.vocab_size,), -1, dtype=torch.long)
+    position_of_cut[cut.head_token_ids] = torch.arange(served)
+    assert int((position_of_cut[batch.labels[batch.mask]] < 0).sum()) > 0  # some labels lie past the served ids
+    for soft in (False, True):
+        loss, info = eagle_train.batch_loss(whole, batch, position_of, 3, soft_labels=soft, served_head_tokens=served)
+        expected, expected_info = eagle_train.batch_loss(cut, batch, position_of_cut, 3, soft_labels=soft)
+        torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+        assert [info[f"acc{d}"] for d in (1, 2, 3)] == [expected_info[f"acc{d}"] for d in (1, 2, 3)]
+    full_loss, _ = eagle_train.batch_loss(whole, batch, position_of, 3)
+    assert abs(float(full_loss.detach()) - float(loss.detach())) > 1e-3  # the restriction changes what is trained
+    trained = perturbed_head(target, ids, seed=2, train_lm_head=True)
+    eagle_train.batch_loss(trained, batch, position_of, 3, served_head_tokens=served)[0].backward()
+    grad = trained.lm_head.weight.grad
+    assert grad[:served].abs().sum() > 0 and grad[served:].abs().sum() == 0
+
+
 def test_training_resumes_at_the_saved_step(target, tiny_pair, tmp_path):
     records = [{"key": f"k{i:02d}", "source": "s", "prompt_ids": seq[:5], "output_ids": seq[5:]}
                for i, seq in enumerate(random_sequences(10, 9, target.vocab_size, 10, 20))]

@@ -308,11 +308,12 @@ class EagleHead(nn.Module):
         embedded = self.embed_norm(F.embedding(token_ids, self.embed_weight))
         return self.fc(torch.cat([embedded.to(self.fc.weight.dtype), features.to(self.fc.weight.dtype)], dim=-1))
 
-    def token_logits(self, g: torch.Tensor) -> torch.Tensor:
-        """Logits over the reduced head (column j is token ``head_token_ids[j]``)."""
+    def token_logits(self, g: torch.Tensor, first: int | None = None) -> torch.Tensor:
+        """Logits over the reduced head (column j is token ``head_token_ids[j]``); ``first``: over its
+        first that many ids only (a drafter that keeps a prefix of the list)."""
         if self._lm_head_columns is not None and not self.training:
-            return self.norm(g) @ self._lm_head_columns
-        return self.lm_head(self.norm(g))
+            return self.norm(g) @ self._lm_head_columns[:, :first]
+        return F.linear(self.norm(g), self.lm_head.weight[:first])
 
     def for_drafting(self) -> EagleHead:
         """Eval mode, with the LM head also kept as columns: one token's logits then read the weight
