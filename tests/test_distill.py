@@ -123,8 +123,7 @@ def test_positions_whose_top_k_lies_outside_the_draft_head_stay_out_of_the_loss(
     model = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
     vocab = model.config.vocab_size
     head_ids = torch.arange(0, vocab // 2)
-    position_of = torch.full((vocab,), -1, dtype=torch.long)
-    position_of[head_ids] = torch.arange(len(head_ids))
+    position_of = train.head_rows(head_ids, vocab)
     inside = torch.arange(0, 4, dtype=torch.int32)
     outside = torch.arange(vocab - 4, vocab, dtype=torch.int32)  # none of them in the head
     record = {"prompt_ids": [5, 6, 7], "output_ids": [1, vocab - 1, 2],

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from specdec.distill.train import head_rows
 from specdec.eagle import train as eagle_train
 from specdec.eagle.drafting import HeadSession
 from specdec.eagle.evaluate import (acceptance_stats, anchor_acceptance, evaluate_records, greedy_drafts,
@@ -229,10 +230,8 @@ def test_the_served_head_tokens_loss_is_the_loss_of_the_head_a_drafter_serves(ta
     whole = EagleHead.load(tmp_path / "head", target)
     cut = EagleHead.load(tmp_path / "head", target, max_head_tokens=served)
     assert cut.head_token_ids.tolist() == ids[:served]
-    position_of = torch.full((target.vocab_size,), -1, dtype=torch.long)
-    position_of[whole.head_token_ids] = torch.arange(len(ids))
-    position_of_cut = torch.full((target.vocab_size,), -1, dtype=torch.long)
-    position_of_cut[cut.head_token_ids] = torch.arange(served)
+    position_of = head_rows(whole.head_token_ids, target.vocab_size)
+    position_of_cut = head_rows(cut.head_token_ids, target.vocab_size)
     assert int((position_of_cut[batch.labels[batch.mask]] < 0).sum()) > 0  # some labels lie past the served ids
     for soft in (False, True):
         loss, info = eagle_train.batch_loss(whole, batch, position_of, 3, soft_labels=soft, served_head_tokens=served)

@@ -118,6 +118,14 @@ def make_batches(records: list[dict], token_budget: int, rng: random.Random) -> 
     return budget_batches(records, lambda r: len(r["prompt_ids"]) + len(r["output_ids"]), token_budget, rng)
 
 
+def head_rows(head_ids, vocab_size: int) -> torch.Tensor:
+    """``[vocab_size]``: each token's row in a reduced head over ``head_ids`` (in that order), -1 outside it."""
+    ids = torch.as_tensor(head_ids, dtype=torch.long)
+    rows = torch.full((vocab_size,), -1, dtype=torch.long)
+    rows[ids] = torch.arange(len(ids))
+    return rows
+
+
 def batch_loss(model, batch: list[dict], head_ids: torch.Tensor, position_of: torch.Tensor,
                prompt_weight: float, prompt_fraction: float, rng: torch.Generator) -> tuple[torch.Tensor, dict]:
     """``head_ids``: the draft head's token ids; ``position_of[token]``: its row there, or -1."""
@@ -269,8 +277,7 @@ def main(argv=None) -> int:
         init_from_target(model, target.model)
     if head_ids is None:
         head_ids = frequent_tokens(train, args.head_tokens, config.vocab_size, list(target.eos_token_ids))
-    position_of = torch.full((config.vocab_size,), -1, dtype=torch.long)
-    position_of[head_ids] = torch.arange(len(head_ids))
+    position_of = head_rows(head_ids, config.vocab_size)
     covered = sum(int((position_of[torch.tensor(r["output_ids"])] >= 0).sum()) for r in holdout)
     print(f"head: {len(head_ids)} ids cover {covered / max(1, sum(len(r['output_ids']) for r in holdout)):.4f} of held-out answer tokens")
     (args.out / "head_token_ids.json").write_text(json.dumps(head_ids.tolist()))

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdec.distill.train import budget_batches
+from specdec.distill.train import budget_batches, head_rows
 from specdec.eagle.features import read_feature_shards
 from specdec.eagle.head import EagleHead
 from specdec.lm import HEAD_TOKEN_IDS_FILE
@@ -278,8 +278,7 @@ def main(argv=None) -> int:
     else:
         train_lm_head = state["config"]["train_lm_head"] if state is not None else args.train_lm_head
         head = EagleHead.from_target(target, ids, train_lm_head=train_lm_head)
-    position_of = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
-    position_of[head.head_token_ids] = torch.arange(len(head.head_token_ids))
+    position_of = head_rows(head.head_token_ids, head.config.vocab_size)
     trainable = [q for q in head.parameters() if q.requires_grad]
     optimizer = torch.optim.AdamW(
         [{"params": [q for q in trainable if q.ndim >= 2], "weight_decay": args.weight_decay},
