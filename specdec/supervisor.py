@@ -9,6 +9,12 @@ goes on without drafts, one on a dead verifier ends UNAVAILABLE.
 
 SIGINT/SIGTERM drains in dependency order: the gateway first (it stops taking requests and lets
 its streams finish, which still need the model services), then the drafter and verifier.
+
+Children die with their supervisor: each starts through ``specdec.child_init``, which arms the
+parent-death signal (SIGTERM) and sets the child's CPU affinity before it execs the service, so a
+supervisor killed by SIGKILL (which drains nothing) leaves no service behind holding its port.
+The kernel signals a child when the thread that started it ends: ``start_all`` and ``run`` (which
+restarts children) belong on the thread that lives as long as the supervisor, as in ``specdec up``.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from specdec.child_init import child_command
 
 FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 10.0
@@ -39,12 +47,6 @@ class ChildSpec:
     after_ready: Callable[[int], None] | None = None  # once it serves (health SERVING), by pid
     env: dict[str, str] = field(default_factory=dict)
     cpus: frozenset[int] | None = None  # the cores it may run on (None: all), from before its first instruction
-
-
-def _pin(cpus: frozenset[int]) -> Callable[[], None]:
-    """Runs in the child between fork and exec (one syscall, nothing that takes locks): the process and
-    every thread it later starts stay on ``cpus``."""
-    return lambda: os.sched_setaffinity(0, cpus)
 
 
 @dataclass
@@ -80,8 +82,8 @@ class Supervisor:
     def _spawn(self, child: _Child) -> None:
         spec = child.spec
         env = {**os.environ, **spec.env} if spec.env else None
-        child.proc = subprocess.Popen(spec.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      bufsize=1, env=env, preexec_fn=_pin(spec.cpus) if spec.cpus else None)
+        child.proc = subprocess.Popen(child_command(spec.command, os.getpid(), spec.cpus), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
         child.started_at = time.monotonic()
         child.restart_at = None
         if spec.after_ready is not None and spec.address:

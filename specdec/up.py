@@ -1,9 +1,10 @@
 """``specdec up``: drafter, verifier and gateway on one machine, supervised (``specdec.supervisor``).
 
-The gateway listens on ``--port``, the drafter on +1, the verifier on +2 (metrics, when asked for,
-on ``--metrics-port`` +0/+1/+2 in the same order). The gateway's OpenAI-compatible HTTP API listens
-on ``--http-port``: 8000 unless that is taken (then off, with a note), ``off`` for none. Flags that
-the services take one by one (keys, TLS, limits) are passed to the child that uses them.
+The gateway listens on ``--port``, the drafter on ``--drafter-port`` (default +1), the verifier on
+``--verifier-port`` (default +2); metrics, when asked for, on ``--metrics-port`` +0/+1/+2 in the same
+order. The gateway's OpenAI-compatible HTTP API listens on ``--http-port``: 8000 unless that is taken
+(then off, with a note), ``off`` for none. Flags that the services take one by one (keys, TLS,
+limits, timeouts) are passed to the child that uses them.
 
 The stack is closed by default: each run draws a random service token and hands it to the three
 children in their environment (``SPECDEC_SERVICE_TOKEN``; never on a command line, which other
@@ -24,6 +25,7 @@ from specdec.supervisor import ChildSpec, Supervisor
 
 LOG_PREFIX = "[up      ]"
 DEFAULT_HTTP_PORT = 8000  # where OpenAI-compatible servers usually listen
+DRAIN_MARGIN_S = 5.0  # the supervisor waits this long past the services' --grace before it kills one
 
 
 def add_arguments(up: argparse.ArgumentParser, default_target: str) -> None:
@@ -38,7 +40,10 @@ def add_arguments(up: argparse.ArgumentParser, default_target: str) -> None:
     up.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=False)
     up.add_argument("--net-delay-ms", type=float, default=0.0, help="gateway: injected one-way delay per message")
     up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=50051, help="gateway port; drafter +1, verifier +2")
+    up.add_argument("--port", type=int, default=50051,
+                    help="gateway port; the drafter's and the verifier's default to +1 and +2")
+    up.add_argument("--drafter-port", type=int, default=None, help="the drafter's port (default --port + 1)")
+    up.add_argument("--verifier-port", type=int, default=None, help="the verifier's port (default --port + 2)")
     up.add_argument("--http-port", type=optional_port, default=None,
                     help=f"the gateway's OpenAI-compatible HTTP API (default {DEFAULT_HTTP_PORT} when free, "
                          "else off; 'off' or 0: none)")
@@ -64,6 +69,12 @@ def add_arguments(up: argparse.ArgumentParser, default_target: str) -> None:
                     help="CPU threads of the drafter: on one machine its spinning worker threads take cores "
                          "from the verifier's forward passes (0: torch's default, one per core)")
     up.add_argument("--max-sessions", type=int, default=None, help="each service's session limit")
+    up.add_argument("--idle-timeout", type=float, default=None,
+                    help="drafter and verifier: free a session whose stream is silent this long (seconds; "
+                         "default: theirs)")
+    up.add_argument("--grace", type=float, default=None,
+                    help="seconds each service gives in-flight streams on shutdown (default: theirs); the "
+                         f"supervisor kills one still running {DRAIN_MARGIN_S:g} s later")
     up.add_argument("--max-new-tokens-cap", type=int, default=None, help="gateway: largest max_new_tokens")
     up.add_argument("--max-prompt-tokens", type=int, default=None, help="gateway: longest prompt")
     up.add_argument("--api-keys-file", default=None, help="gateway: client API keys, one per line")
@@ -152,6 +163,23 @@ def _flags(args, names: list[str]) -> list[str]:
     return out
 
 
+def service_ports(args) -> tuple[int, int, int]:
+    """(gateway, drafter, verifier) ports: ``--drafter-port``/``--verifier-port``, else ``--port`` +1/+2.
+    Raises SystemExit when two of them, or one and ``--http-port``, are the same port."""
+    ports = {"--port": args.port,
+             "--drafter-port": args.port + 1 if args.drafter_port is None else args.drafter_port,
+             "--verifier-port": args.port + 2 if args.verifier_port is None else args.verifier_port}
+    if getattr(args, "http_port", None):
+        ports["--http-port"] = args.http_port
+    for flag, port in ports.items():
+        if not 0 < port < 65536:
+            raise SystemExit(f"error: {flag} {port} is outside 1-65535")
+        clash = [other for other, taken in ports.items() if taken == port and other != flag]
+        if clash:
+            raise SystemExit(f"error: {flag} and {clash[0]} are both port {port}")
+    return ports["--port"], ports["--drafter-port"], ports["--verifier-port"]
+
+
 def service_token_env(args) -> dict[str, str]:
     """The children's environment for the service token: ``--service-token-file`` when given, else a
     fresh random token (and no inherited token file, so the three agree on exactly this one)."""
@@ -168,11 +196,12 @@ def children(args) -> list[ChildSpec]:
     """The three services' commands (raises SystemExit for a draft method that cannot run)."""
     from specdec.models import EMBEDDED_EAGLE, default_draft_model, default_eagle_head
 
-    host, gateway_port = args.host, args.port
-    drafter_port, verifier_port = gateway_port + 1, gateway_port + 2
+    host = args.host
+    gateway_port, drafter_port, verifier_port = service_ports(args)
     base = [sys.executable, "-m", "specdec.cli", "serve"]
     tls = _flags(args, ["tls-cert", "tls-key", "tls-ca", "tls-client-auth"])
-    common = tls + _flags(args, ["max-sessions"])
+    common = tls + _flags(args, ["max-sessions", "grace"])
+    model_service = _flags(args, ["idle-timeout"])  # the drafter's and the verifier's alone
 
     def metrics(offset: int) -> list[str]:
         return [] if args.metrics_port is None else ["--metrics-port", str(args.metrics_port + offset)]
@@ -211,12 +240,12 @@ def children(args) -> list[ChildSpec]:
         verifier_threads = ["--threads", str(len(verifier_cpus))]
     return [
         ChildSpec("verifier", base + ["verifier", "--target", args.target, "--host", host, "--port",
-                                      str(verifier_port), *verifier_threads, *common, *metrics(2),
+                                      str(verifier_port), *verifier_threads, *common, *model_service, *metrics(2),
                                       *_flags(args, ["max-new-tokens-cap"])],
                   f"{peer_host}:{verifier_port}", drain_order=1, env=env, cpus=verifier_cpus),
-        ChildSpec("drafter", drafter_cmd + common + metrics(1), f"{peer_host}:{drafter_port}", drain_order=1,
-                  after_ready=deprioritise(args.drafter_nice, idle=args.drafter_sched == "idle"), env=env,
-                  cpus=drafter_cpus),
+        ChildSpec("drafter", drafter_cmd + common + model_service + metrics(1), f"{peer_host}:{drafter_port}",
+                  drain_order=1, after_ready=deprioritise(args.drafter_nice, idle=args.drafter_sched == "idle"),
+                  env=env, cpus=drafter_cpus),
         ChildSpec("gateway", base + ["gateway", "--target", args.target, "--host", host, "--port", str(gateway_port),
                                      "--verifier", f"{peer_host}:{verifier_port}",
                                      "--drafter", f"{peer_host}:{drafter_port}",
@@ -265,8 +294,9 @@ def run(args) -> int:
             print(f"{LOG_PREFIX} port {DEFAULT_HTTP_PORT} is taken: no HTTP API (--http-port to choose one)",
                   file=sys.stderr, flush=True)
     specs = children(args)
+    drain = {} if args.grace is None else {"grace_s": args.grace + DRAIN_MARGIN_S}
     supervisor = Supervisor(specs, log=lambda line: print(f"{LOG_PREFIX} {line}", file=sys.stderr, flush=True),
-                            credentials=_health_credentials(args))
+                            credentials=_health_credentials(args), **drain)
     signal.signal(signal.SIGTERM, lambda *_: supervisor.stop.set())
     # Also when started in the background, where the shell leaves SIGINT ignored.
     signal.signal(signal.SIGINT, lambda *_: supervisor.stop.set())

@@ -422,3 +422,82 @@ def test_a_plan_never_mixes_threading_runtimes():
     for row in table.values():
         row["numpy"] = 10.0
     assert choose_backends(table, backends) == {1: "numpy", 2: "numpy", 8: "numpy", 64: "numpy"}
+
+
+class _LargestScores:
+    """numpy as ``specdec.lean.numpy_pass`` sees it, noting the largest 4-d product (the attention
+    scores [kv_heads, groups, rows, keys]; the other 4-d product, scores times values, is smaller)."""
+
+    def __init__(self, numpy) -> None:
+        self.numpy, self.largest = numpy, 0
+
+    def __getattr__(self, name):
+        return getattr(self.numpy, name)
+
+    def matmul(self, *args, **kwargs):
+        out = self.numpy.matmul(*args, **kwargs)
+        if out.ndim == 4:
+            self.largest = max(self.largest, out.nbytes)
+        return out
+
+
+@pytest.mark.parametrize("path", ["numpy", "torch"])
+def test_a_long_prefill_attends_in_blocks_of_bounded_scores(path, tiny_hf, monkeypatch):
+    """A long prefill (after a short one) with the score budget forced down to a few query rows: the
+    same logits and keys/values as in one block (and transformers'), and the largest scores array
+    (numpy pass) or SDPA mask (torch forward) stays within the one budget at two lengths, where one
+    block's grows with the square of the length."""
+    from specdec.lean import numpy_pass
+
+    heads = tiny_hf.config.num_attention_heads
+    groups = heads // tiny_hf.config.num_key_value_heads
+    rng = random.Random(6)
+    vocab = tiny_hf.config.vocab_size
+
+    def prefill(tokens: list[int]):
+        lean = LeanModel.from_hf(tiny_hf, backend="numpy")
+        if path == "torch":
+            lean.numpy_pass = None  # the torch forward, as for a GPU or a half-precision model
+        kv = lean.new_kv()
+        lean.forward([kv], [tokens[:20]], [1])
+        logits = lean.forward([kv], [tokens[20:]], [len(tokens) - 20])
+        return logits, kv.keys[:, :, : kv.length].clone(), kv.values[:, :, : kv.length].clone()
+
+    largest = []
+    if path == "numpy":
+        recorder = _LargestScores(numpy_pass.np)
+        monkeypatch.setattr(numpy_pass, "np", recorder)
+    else:
+        original_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def sdpa(query, key, value, attn_mask=None, **kwargs):
+            if attn_mask is not None:  # bool [G x rows, keys] plus SDPA's float bias of that size
+                largest.append(attn_mask.numel() * (1 + query.element_size()))
+            return original_sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+
+    def measured() -> int:
+        return recorder.largest if path == "numpy" else max(largest)
+
+    def reset(budget: int) -> None:
+        monkeypatch.setattr(numpy_pass, "SCORE_BYTES", budget)
+        if path == "numpy":
+            recorder.largest = 0
+        largest.clear()
+
+    default = numpy_pass.SCORE_BYTES
+    lengths = (150, 300)
+    # One budget for both lengths: 7 query rows per block at the longer, 14 at the other (last blocks shorter).
+    budget = 7 * max(lengths) * (heads * 4 if path == "numpy" else groups * 5)
+    for length in lengths:
+        tokens = [rng.randrange(vocab) for _ in range(length)]
+        reset(default)
+        whole = prefill(tokens)
+        one_block = measured()
+        reset(budget)
+        blocked = prefill(tokens)
+        assert 0 < measured() <= budget < one_block
+        for got, expected in zip(blocked, whole):  # logits, keys, values: equal to fp32 rounding
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert float((blocked[0] - reference_logits(tiny_hf, tokens, length - 20)).abs().max()) <= TOLERANCE

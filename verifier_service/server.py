@@ -14,7 +14,7 @@ from specdec.rpc import convert
 from specdec.rpc.scheduler import BatchingOptions
 from specdec.rpc.server import NotReady, idle_guard, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
 from specdec.rpc.sessions import ModelWorkerService, validate_session_id
-from specdec.sampling import DraftProposal
+from specdec.sampling import DraftProposal, with_random_seed
 from specdec.v1 import types_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.verification import PrefillChunk, TargetSession, Verdict, VerifyJob, verify_batch
 
@@ -86,7 +86,8 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                     validate_session_id(start.session_id)
                     prompt = [int(t) for t in start.prompt_token_ids]
                     lm.validate_prompt(prompt)
-                    params = convert.sampling_from_pb(start.sampling, min(128, self.max_new_tokens_cap))
+                    # Unseeded (a direct client; the gateway always seeds): a fresh seed, not resolved_seed()'s 0.
+                    params = with_random_seed(convert.sampling_from_pb(start.sampling, min(128, self.max_new_tokens_cap)))
                     if params.max_new_tokens > self.max_new_tokens_cap:
                         raise ValueError(f"sampling.max_new_tokens: {params.max_new_tokens} exceeds this verifier's "
                                          f"cap ({self.max_new_tokens_cap}; --max-new-tokens-cap)")

@@ -18,6 +18,11 @@ repeated. One session: its keys/values are views of its buffer (no copy), with a
 when it feeds more than one token. Several sessions: their keys/values are concatenated and a
 block mask (each row sees its own session's prefix and its own fed tokens up to itself) keeps
 the sessions apart.
+
+SDPA's kernels (flash on CPU, memory-efficient on CUDA) never hold the [T, S] scores, but the mask
+is [G x T, S] (and SDPA converts it to a float bias of that size): one session's long prefill
+attends over blocks of query rows (``query_block_rows``), each with its own mask, so that memory
+stays bounded as in ``NumpyPass``.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch.nn.functional as F
 
 from specdec.lean.kv import LeanKV
 from specdec.lean.matmul import BUCKETS, Linear, MatmulPlan
-from specdec.lean.numpy_pass import NumpyPass
+from specdec.lean.numpy_pass import NumpyPass, query_block_rows
 from specdec.lean.static import SlotPool, StaticPasses
 from specdec.lean.weights import LeanWeights
 
@@ -160,7 +165,8 @@ class LeanModel:
             cos, sin = cos * w.rope_scale, sin * w.rope_scale
         # RoPE as x * [cos, cos] + [second half, first half] * [-sin, sin]: three ops per layer.
         cos, sin = torch.cat((cos, cos), dim=-1).to(self.dtype), torch.cat((-sin, sin), dim=-1).to(self.dtype)
-        mask = self._mask(pasts, fed, starts)
+        block = self._query_block(pasts, fed)
+        mask = self._mask(pasts, fed, starts) if block is None else None
         backend = self.plan.backend(total)
         with self.plan.regime(backend):
             x = F.embedding(ids, w.embed)
@@ -169,7 +175,7 @@ class LeanModel:
                 qkv = backend.mm(h, qkv_w.handles[backend.name])
                 if layer.qkv_bias is not None:
                     qkv = qkv + layer.qkv_bias
-                attn = self._attention(qkv, cos, sin, mask, kvs, pasts, fed, starts, index)
+                attn = self._attention(qkv, cos, sin, mask, kvs, pasts, fed, starts, block, index)
                 x = x + backend.mm(attn, o_w.handles[backend.name])
                 h = F.rms_norm(x, (w.hidden,), layer.post_norm, w.eps)
                 gate_up = backend.mm(h, gate_up_w.handles[backend.name])
@@ -202,26 +208,39 @@ class LeanModel:
         full[:, self.head_ids] = logits
         return full
 
+    def _query_block(self, pasts, fed) -> int | None:
+        """Query rows per attention block of a single session whose mask (bool, then SDPA's float bias)
+        would pass the budget; None: the pass attends in one call."""
+        if len(fed) > 1:
+            return None
+        rows = query_block_rows(self.groups, pasts[0] + fed[0], entry_bytes=1 + self.dtype.itemsize)
+        return rows if rows < fed[0] else None
+
     def _mask(self, pasts, fed, starts) -> torch.Tensor | None:
         """Bool [G * T, S] (True: attend), rows ordered (group, token); None when every row sees
         every key (one session feeding one token)."""
         total = sum(fed)
         if len(fed) == 1:
-            if fed[0] == 1:
-                return None
-            mask = torch.ones((fed[0], pasts[0] + fed[0]), dtype=torch.bool, device=self.device).tril(pasts[0])
-        else:
-            mask = torch.zeros((total, sum(pasts) + total), dtype=torch.bool, device=self.device)
-            column = 0
-            for p, n, start in zip(pasts, fed, starts):
-                mask[start : start + n, column : column + p + n] = torch.ones(
-                    (n, p + n), dtype=torch.bool, device=self.device).tril(p)
-                column += p + n
+            return self._causal_mask(pasts[0], 0, fed[0])
+        mask = torch.zeros((total, sum(pasts) + total), dtype=torch.bool, device=self.device)
+        column = 0
+        for p, n, start in zip(pasts, fed, starts):
+            mask[start : start + n, column : column + p + n] = torch.ones(
+                (n, p + n), dtype=torch.bool, device=self.device).tril(p)
+            column += p + n
         return mask.repeat(self.groups, 1) if self.groups > 1 else mask
 
-    def _attention(self, qkv, cos, sin, mask, kvs, pasts, fed, starts, index: int) -> torch.Tensor:
+    def _causal_mask(self, past: int, first: int, end: int) -> torch.Tensor | None:
+        """Bool [G * (end - first), past + end]: one session's fed rows first .. end - 1, row t seeing
+        positions up to past + t; None for one row, which sees them all."""
+        if end - first == 1:
+            return None
+        mask = torch.ones((end - first, past + end), dtype=torch.bool, device=self.device).tril(past + first)
+        return mask.repeat(self.groups, 1) if self.groups > 1 else mask
+
+    def _attention(self, qkv, cos, sin, mask, kvs, pasts, fed, starts, block: int | None, index: int) -> torch.Tensor:
         w = self.w
-        total, dim, kv_heads, groups = qkv.shape[0], w.head_dim, w.kv_heads, self.groups
+        total, dim, kv_heads = qkv.shape[0], w.head_dim, w.kv_heads
         q_and_k = qkv[:, : w.q_width + w.kv_width].view(total, w.heads + kv_heads, dim)
         half = dim // 2
         swapped = torch.cat((q_and_k[..., half:], q_and_k[..., :half]), dim=-1)
@@ -238,7 +257,18 @@ class LeanModel:
             key, value = keys[0], values[0]
         else:
             key, value = torch.cat(keys, dim=1), torch.cat(values, dim=1)
+        if block is None:
+            return self._attend(q, key, value, mask)
+        past = pasts[0]  # one session's long pass: a block's rows see no position past its last row's
+        return torch.cat([self._attend(q[first:end], key[:, : past + end], value[:, : past + end],
+                                       self._causal_mask(past, first, end))
+                          for first, end in ((f, min(f + block, total)) for f in range(0, total, block))])
+
+    def _attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """One SDPA call: rows ``q`` [rows, heads, dim] over ``key``/``value`` [kv_heads, S, dim]: [rows, q_width]."""
+        w = self.w
+        rows, dim, kv_heads, groups = q.shape[0], w.head_dim, w.kv_heads, self.groups
         # Query head j * G + g shares key/value head j: fold the G heads into the query length.
-        query = q.reshape(total, kv_heads, groups, dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * total, dim)
+        query = q.reshape(rows, kv_heads, groups, dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * rows, dim)
         out = F.scaled_dot_product_attention(query[None], key[None], value[None], attn_mask=mask, scale=self.scaling)
-        return out[0].view(kv_heads, groups, total, dim).permute(2, 0, 1, 3).reshape(total, w.q_width)
+        return out[0].view(kv_heads, groups, rows, dim).permute(2, 0, 1, 3).reshape(rows, w.q_width)

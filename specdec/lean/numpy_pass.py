@@ -16,6 +16,11 @@ with each position's rotation matrix, grouped-query attention with the G query h
 head stacked and a causal bias when several tokens are fed, softmax, fused gate/up, SiLU * up, down,
 the final norm and the head over only the rows whose logits are wanted. Only the rounding differs,
 as between any two BLAS (tests hold both forwards to transformers' logits within 1e-4).
+
+Attention runs over blocks of query rows (``query_block_rows``): a block's scores, every head's,
+stay under ``SCORE_BYTES`` however long the pass, so a long prefill needs memory linear in its
+length, not quadratic. Decode steps and verify passes stay one block (64 MiB holds 16 rows of 32
+heads over 32 k keys).
 """
 
 from __future__ import annotations
@@ -28,6 +33,14 @@ import torch
 from specdec.lean.kv import LeanKV
 from specdec.lean.matmul import Backend
 from specdec.lean.weights import LeanWeights
+
+SCORE_BYTES = 64 << 20  # one attention block's scores (all heads) stay under this, however long the pass
+
+
+def query_block_rows(heads: int, keys: int, entry_bytes: int = 4) -> int:
+    """Query rows per attention block: ``heads`` x rows x ``keys`` entries of ``entry_bytes`` each
+    within ``SCORE_BYTES`` (one row at least)."""
+    return max(1, SCORE_BYTES // (heads * keys * entry_bytes))
 
 
 class NumpyPass:
@@ -88,9 +101,10 @@ class NumpyPass:
         kv.reserve(total)
         keys, values = kv.keys.numpy(), kv.values.numpy()
         rotation = self._rotations(past, count)
-        # Causal bias when several tokens are fed: token t sees positions up to past + t.
-        bias = None if count == 1 else np.triu(np.full((count, total), -np.inf, dtype=np.float32), past + 1)
         heads, kv_heads, dim, groups = self.heads, self.kv_heads, self.dim, self.groups
+        block = query_block_rows(heads, total)
+        # A pass of one block (decode steps and verify passes, as a rule) builds its causal bias once.
+        bias = self._causal_bias(past, 0, count) if block >= count else None
         split_q, split_v = self.q_width + self.kv_width, self.intermediate
         mm, name = backend.mm_numpy, backend.name
         x = self.embed[ids]
@@ -103,14 +117,13 @@ class NumpyPass:
             values[index, :, past:total] = qkv[:, split_q:].reshape(count, kv_heads, dim).transpose(1, 0, 2)
             # [kv_heads, groups, count, dim] queries against [kv_heads, 1, dim, total] keys.
             query = rotated[:, :heads].reshape(count, kv_heads, groups, dim).transpose(1, 2, 0, 3)
-            scores = np.matmul(query, keys[index, :, None, :total].transpose(0, 1, 3, 2))
-            scores *= self.scale
-            if bias is not None:
-                scores += bias
-            scores -= scores.max(axis=-1, keepdims=True)
-            np.exp(scores, out=scores)
-            scores /= scores.sum(axis=-1, keepdims=True)
-            attended = np.matmul(scores, values[index, :, None, :total])  # [kv_heads, groups, count, dim]
+            if block >= count:
+                attended = self._attend(query, keys[index], values[index], total, bias)
+            else:  # a block's rows see no position past its last row's
+                attended = np.concatenate(
+                    [self._attend(query[:, :, first:end], keys[index], values[index], past + end,
+                                  self._causal_bias(past, first, end))
+                     for first, end in ((f, min(f + block, count)) for f in range(0, count, block))], axis=2)
             x = x + mm(np.ascontiguousarray(attended.transpose(2, 0, 1, 3)).reshape(count, self.q_width),
                        o_w.handles[name])
             gate_up = mm(self._norm(x, post_norm), gate_up_w.handles[name])
@@ -122,3 +135,24 @@ class NumpyPass:
         logits = mm(self._norm(x[count - num_logits :], self.final_norm), self.head.handles[name])
         kv.length = total
         return logits
+
+    @staticmethod
+    def _causal_bias(past: int, first: int, end: int) -> np.ndarray | None:
+        """[end - first, past + end]: fed row t (first <= t < end) sees positions up to past + t. None
+        for one row, which sees them all."""
+        if end - first == 1:
+            return None
+        return np.triu(np.full((end - first, past + end), -np.inf, dtype=np.float32), past + first + 1)
+
+    def _attend(self, query: np.ndarray, keys: np.ndarray, values: np.ndarray, seen: int,
+                bias: np.ndarray | None) -> np.ndarray:
+        """Softmax attention of ``query`` [kv_heads, groups, rows, dim] over the first ``seen`` positions of
+        one layer's ``keys`` and ``values`` [kv_heads, capacity, dim]: [kv_heads, groups, rows, dim]."""
+        scores = np.matmul(query, keys[:, None, :seen].transpose(0, 1, 3, 2))
+        scores *= self.scale
+        if bias is not None:
+            scores += bias
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        return np.matmul(scores, values[:, None, :seen])
