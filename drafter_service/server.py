@@ -9,13 +9,14 @@ import time
 from specdec import telemetry
 from specdec.drafters import Drafter, DraftSession, ModelDrafter, NgramDrafter
 from specdec.eagle.drafter import EagleDrafter
+from specdec.eagle.target_rows import read_target
 from specdec.models import EMBEDDED_DRAFT, EMBEDDED_TARGET, LoadedModel, default_eagle_head, load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.replay import REPLAY_WIRE_METHOD, ReplayDrafter
 from specdec.rpc import convert
 from specdec.rpc.scheduler import BatchingOptions
 from specdec.rpc.server import NotReady, idle_guard, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
 from specdec.rpc.sessions import ModelWorkerService, validate_session_id
-from specdec.sampling import DraftProposal, SamplingParams
+from specdec.sampling import DraftProposal, SamplingParams, with_random_seed
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, types_pb2
 
 log = logging.getLogger("specdec.drafter")
@@ -30,7 +31,7 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
     def __init__(self, runtime: ServiceRuntime, **kwargs) -> None:
         super().__init__(runtime, **kwargs)
         self.drafter: Drafter | None = None
-        self.lm: LoadedModel | None = None
+        self.lm: LoadedModel | None = None  # the draft model (eagle: the target's facts only, no weights)
         self.tokenizer = None  # n-gram drafting needs no model, only the vocabulary
         self.tokenizer_fingerprint = ""
 
@@ -42,9 +43,9 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
             if not draft_model:
                 raise SystemExit("--method eagle needs --draft-model: an EAGLE head directory (specdec train-draft "
                                  "eagle-train); only the embedded target has a shipped one")
-            self.lm = await loop.run_in_executor(self.executor, lambda: load_model(target or EMBEDDED_TARGET, device=device,
-                                                                                 runtime="hf"))
-            self.drafter = await loop.run_in_executor(self.executor, EagleDrafter.load, draft_model, self.lm)
+            # Only what the head reads of the target (its embedding and LM head rows) and its vocabulary facts.
+            self.lm, tensors = await loop.run_in_executor(self.executor, read_target, target or EMBEDDED_TARGET, device)
+            self.drafter = await loop.run_in_executor(self.executor, EagleDrafter.load, draft_model, tensors)
         elif method == "model":
             draft_model = draft_model or EMBEDDED_DRAFT
             self.lm = await loop.run_in_executor(self.executor, lambda: load_model(draft_model, device=device))
@@ -104,7 +105,8 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
                     if len(prompt) >= self.max_context:
                         raise ValueError(f"prompt_token_ids: {len(prompt)} tokens exceed the draft context "
                                          f"({self.max_context})")
-                    params = convert.sampling_from_pb(start.sampling, draft_top_k=start.draft_top_k)
+                    # Unseeded (a direct client; the gateway always seeds): a fresh seed, not resolved_seed()'s 0.
+                    params = with_random_seed(convert.sampling_from_pb(start.sampling, draft_top_k=start.draft_top_k))
                     session = drafter.start(prompt, params)
                     key = self.sessions.open(start.session_id, session, cancelled, peer=context.peer())
                     await self._run(session.prefill)

@@ -26,7 +26,8 @@ from specdec.models import tokenizer_fingerprint
 from specdec.policy import AcceptanceMemory, make_policy
 from specdec.prompts import encode_chat, encode_text
 from specdec.rpc.server import NotReady, Overloaded, ServiceRuntime
-from specdec.sampling import SamplingParams, with_random_seed
+from specdec.sampling import SamplingParams, is_utf8, with_random_seed
+from specdec.telemetry.logs import printable
 
 from gateway.links import MigratingVerifier, RemoteDrafter
 from gateway.pools import BackendPool
@@ -38,6 +39,7 @@ METHODS = ("auto", "model", "eagle", "ngram", "none")
 # (measured: docs/benchmarks.md, the head's model card); a deployment with only an eagle drafter gets it.
 AUTO_DRAFT_METHODS = ("model", "eagle")
 ROLES = ("system", "user", "assistant", "tool")
+ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for system messages (both fronts take it)
 
 
 @dataclass
@@ -177,18 +179,24 @@ class GatewayCore:
         if given[0] == "prompt":
             if len(text) > limits.prompt_chars:
                 raise ValueError(f"prompt: {len(text)} characters exceed the limit of {limits.prompt_chars}")
+            if not is_utf8(text):
+                raise ValueError("prompt: not valid Unicode (a lone surrogate)")
             return "prompt", text
         if given[0] == "messages":
             if len(request.messages) > limits.max_prompt_tokens:  # each message costs tokens
                 raise ValueError(f"messages: {len(request.messages)} messages exceed the limit of {limits.max_prompt_tokens}")
             messages, chars = [], 0
             for i, (role, content) in enumerate(request.messages):
+                role = ROLE_ALIASES.get(role, role)
                 if role not in ROLES:
-                    raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}")
+                    raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES + tuple(ROLE_ALIASES))}")
                 chars += len(content)
                 messages.append((role, content))
             if chars > limits.prompt_chars:
                 raise ValueError(f"messages: {chars} characters of content exceed the limit of {limits.prompt_chars}")
+            bad = next((i for i, (_, content) in enumerate(messages) if not is_utf8(content)), None)
+            if bad is not None:
+                raise ValueError(f"messages[{bad}].content: not valid Unicode (a lone surrogate)")
             return "messages", messages
         if len(request.prompt_token_ids) > limits.max_prompt_tokens:
             raise ValueError(f"prompt_token_ids: {len(request.prompt_token_ids)} prompt tokens exceed the limit "
@@ -242,8 +250,11 @@ class GatewayCore:
         method = request.method or "auto"
         if method not in METHODS:
             raise ValueError(f"speculation.method: {method!r} is not one of {', '.join(METHODS)}")
-        if method in ("model", "eagle") and not self.drafters.backends:
-            raise ValueError(f"speculation.method: {method!r} needs a drafter service and none is configured")
+        # Refused when no drafter of this stack drafts with it (a drafter that never answered yet may:
+        # the request then goes on, and drafts if one comes up).
+        if method in ("model", "eagle") and self.drafters.offers(method) is False:
+            raise ValueError(f"speculation.method: {method!r} needs a drafter service of that method and "
+                             "this gateway has none")
         k = request.num_draft_tokens
         if k < 0:
             raise ValueError(f"speculation.num_draft_tokens: {k} is negative")
@@ -258,22 +269,28 @@ class GatewayCore:
             self.metrics.rejected.labels("gateway", "RESOURCE_EXHAUSTED").inc()
             raise Overloaded(f"gateway at capacity ({self.limits.max_sessions} concurrent requests)")
 
-    async def _wait_for_verifier(self, time_remaining: Callable[[], float | None], poll_s: float = 0.1) -> None:
-        """Wait, up to ``verifier_wait_s`` and the request's deadline, until a verifier is ready: a
-        restart or a rollout then delays requests instead of failing them. UNAVAILABLE after that."""
-        if self.verifiers.ready():
-            return
+    def verifier_wait_s(self, time_remaining: Callable[[], float | None]) -> float:
+        """How long a request may wait for a ready verifier now: ``verifier_wait_s`` within its deadline."""
         remaining = time_remaining()
-        wait_s = self.limits.verifier_wait_s if remaining is None else min(self.limits.verifier_wait_s, remaining)
-        deadline = asyncio.get_running_loop().time() + wait_s
+        wait_s = self.limits.verifier_wait_s
+        return wait_s if remaining is None else max(0.0, min(wait_s, remaining))
+
+    async def _pick_verifier(self, time_remaining: Callable[[], float | None]):
+        """The least-loaded ready verifier; while none is ready (one restarting, a rollout), wait up
+        to ``verifier_wait_s`` and the request's deadline for one instead of failing at once.
+        UNAVAILABLE after that."""
+        backend = self.verifiers.pick()
+        if backend is not None:
+            return backend
+        wait_s = self.verifier_wait_s(time_remaining)
         self.waiting += 1
         try:
-            while not self.verifiers.ready():
-                if asyncio.get_running_loop().time() >= deadline:
-                    raise NotReady(f"no verifier is ready (waited {wait_s:.0f} s)")
-                await asyncio.sleep(poll_s)
+            backend = await self.verifiers.wait_pick(wait_s)
         finally:
             self.waiting -= 1
+        if backend is None:
+            raise NotReady(f"no verifier is ready (waited {wait_s:.0f} s)")
+        return backend
 
     # -- one request -------------------------------------------------------------------------------
     def request_telemetry(self, request: GenerationRequest, attributes: dict | None = None) -> telemetry.RequestTelemetry:
@@ -300,62 +317,63 @@ class GatewayCore:
             raise
         if method == "auto":
             method = next((m for m in AUTO_DRAFT_METHODS if self.drafters.ready(m)), "ngram")
-        await self._wait_for_verifier(time_remaining)
+        verifier_backend = await self._pick_verifier(time_remaining)
         self._admit()  # again: others may have been admitted meanwhile (no await from here to active += 1)
-        verifier_backend = self.verifiers.pick()
-        if verifier_backend is None:
-            raise NotReady("no verifier is ready")
         request_id = request.request_id or new_request_id()
         # Downstream session ids are ours, unguessable, never the client's request_id (which another
         # client could choose too, or use to cancel a session that is not its own).
         verifier_session, drafter_session = uuid.uuid4().hex, uuid.uuid4().hex
         obs.begin(request_id=request_id, params=params, prompt_tokens=len(prompt_ids), method=method, requested_k=k)
         metadata = obs.metadata()  # W3C trace context for both downstream streams (None: tracing off)
+        verifier, policy, drafter_backend, remote_drafter = None, None, None, None
         self.active += 1
-        self.metrics.active_sessions.set(self.active)
-        self.metrics.requests.inc()
-        links = self.link_options
-        # A drafter service of that method if one runs; n-gram lookup can also run right here.
-        drafter_backend = self.drafters.pick(method) if method in ("model", "eagle", "ngram") else None
-        feature_size = drafter_backend.info.feature_size if drafter_backend is not None else 0
-        if feature_size and feature_size != verifier_backend.info.feature_size:
-            log.warning("request %s: drafter %s reads features of width %d, verifier %s streams %d; no drafts",
-                        request_id, drafter_backend.address, feature_size, verifier_backend.address,
-                        verifier_backend.info.feature_size)
-            drafter_backend, feature_size = None, 0
-        verifier = MigratingVerifier(self.verifiers, verifier_backend, verifier_session, prompt_ids, params,
-                                     time_remaining, metadata, links.net_delay_s, request_id=request_id,
-                                     want_features=feature_size > 0)
-        drafter_link, remote_drafter = None, None
-        draft_model = drafter_backend.info.model.model if drafter_backend is not None else ""
-        policy = make_policy(k, memory=self.acceptance_memory, max_k=self.limits.max_draft_tokens,
-                             key=AcceptanceMemory.make_key(method, draft_model, verifier_backend.info.model.model),
-                             forward_curve=list(verifier_backend.info.forward_cost_s) or None,
-                             co_batched=max(0, verifier_backend.load - 1))  # its other sessions, this one opened
-        if drafter_backend is not None:
-            drafter_backend.in_flight += 1
-            remote_drafter = RemoteDrafter(drafter_backend.stub, drafter_session, prompt_ids, params,
-                                           time_remaining, metadata, net_delay_s=links.net_delay_s,
-                                           request_id=request_id, reads_features=feature_size > 0)
-            if policy.expects_to_draft():
-                # The drafter's prefill overlaps the verifier's. When plain decoding is expected to
-                # win (what this draft pair measured before), the session opens at the first
-                # proposal instead: its prefill then cannot delay the first token.
-                remote_drafter.begin()
-            obs.drafter_opened_at_prefill(remote_drafter.started)
-            drafter_link = remote_drafter
-        elif method == "ngram":
-            drafter_link = LocalDrafter(NgramDrafter().start(prompt_ids, params))
-        obs.links(verifier, drafter_link, verifier_backend.address,
-                  drafter_backend.address if drafter_backend is not None else None,
-                  (drafter_backend.info.model.model or None) if drafter_backend is not None else None)
-        log.info("request %s: verifier session %s on %s, drafter session %s", request_id, verifier_session,
-                 verifier_backend.address, f"{drafter_session} on {drafter_backend.address}" if remote_drafter else "none")
-        if obs.span is not None:
-            obs.span.set_attribute("specdec.verifier.session_id", verifier_session)
-            if remote_drafter is not None:
-                obs.span.set_attribute("specdec.drafter.session_id", drafter_session)
         try:
+            self.metrics.active_sessions.set(self.active)
+            self.metrics.requests.inc()
+            links = self.link_options
+            # A drafter service of that method if one runs; n-gram lookup can also run right here.
+            drafter_backend = self.drafters.pick(method) if method in ("model", "eagle", "ngram") else None
+            feature_size = drafter_backend.info.feature_size if drafter_backend is not None else 0
+            if feature_size and feature_size != verifier_backend.info.feature_size:
+                log.warning("request %s: drafter %s reads features of width %d, verifier %s streams %d; no drafts",
+                            printable(request_id), drafter_backend.address, feature_size, verifier_backend.address,
+                            verifier_backend.info.feature_size)
+                drafter_backend, feature_size = None, 0
+            verifier = MigratingVerifier(self.verifiers, verifier_backend, verifier_session, prompt_ids, params,
+                                         time_remaining, metadata, links.net_delay_s, request_id=request_id,
+                                         want_features=feature_size > 0,
+                                         wait_s=lambda: self.verifier_wait_s(time_remaining))
+            drafter_link = None
+            draft_model = drafter_backend.info.model.model if drafter_backend is not None else ""
+            policy = make_policy(k, memory=self.acceptance_memory, max_k=self.limits.max_draft_tokens,
+                                 key=AcceptanceMemory.make_key(method, draft_model, verifier_backend.info.model.model),
+                                 forward_curve=list(verifier_backend.info.forward_cost_s) or None,
+                                 co_batched=max(0, verifier_backend.load - 1))  # its other sessions, this one opened
+            if drafter_backend is not None:
+                drafter_backend.in_flight += 1
+                remote_drafter = RemoteDrafter(drafter_backend.stub, drafter_session, prompt_ids, params,
+                                               time_remaining, metadata, net_delay_s=links.net_delay_s,
+                                               request_id=request_id, reads_features=feature_size > 0,
+                                               max_message_bytes=self.drafters.max_message_bytes)
+                if policy.expects_to_draft():
+                    # The drafter's prefill overlaps the verifier's. When plain decoding is expected to
+                    # win (what this draft pair measured before), the session opens at the first
+                    # proposal instead: its prefill then cannot delay the first token.
+                    remote_drafter.begin()
+                obs.drafter_opened_at_prefill(remote_drafter.started)
+                drafter_link = remote_drafter
+            elif method == "ngram":
+                drafter_link = LocalDrafter(NgramDrafter().start(prompt_ids, params))
+            obs.links(verifier, drafter_link, verifier_backend.address,
+                      drafter_backend.address if drafter_backend is not None else None,
+                      (drafter_backend.info.model.model or None) if drafter_backend is not None else None)
+            log.info("request %s: verifier session %s on %s, drafter session %s", printable(request_id),
+                     verifier_session, verifier_backend.address,
+                     f"{drafter_session} on {drafter_backend.address}" if remote_drafter else "none")
+            if obs.span is not None:
+                obs.span.set_attribute("specdec.verifier.session_id", verifier_session)
+                if remote_drafter is not None:
+                    obs.span.set_attribute("specdec.drafter.session_id", drafter_session)
             obs.generation_started()
             events = generate(
                 prompt_tokens=len(prompt_ids),
@@ -379,13 +397,18 @@ class GatewayCore:
                     self.metrics.tokens.inc(len(event.token_ids))
                     yield event
         finally:
-            # Finish, client cancel or disconnect, deadline or error: release both downstream sessions.
-            if log.isEnabledFor(logging.DEBUG) and hasattr(policy, "estimates"):
-                log.debug("request %s: draft-length model at the end %s", request_id, policy.estimates(4))
-            policy.close()
+            # Finish, client cancel or disconnect, deadline or error: release both downstream sessions,
+            # and every count raised above (each only if it was raised).
             self.active -= 1
             self.metrics.active_sessions.set(self.active)
-            closers = [verifier.close()]
+            closers = []
+            if policy is not None:
+                if log.isEnabledFor(logging.DEBUG) and hasattr(policy, "estimates"):
+                    log.debug("request %s: draft-length model at the end %s", printable(request_id),
+                              policy.estimates(4))
+                policy.close()
+            if verifier is not None:
+                closers.append(verifier.close())
             if remote_drafter is not None:
                 drafter_backend.in_flight -= 1
                 closers.append(remote_drafter.close())

@@ -17,9 +17,10 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from specdec.rpc import convert
-from specdec.rpc.server import REQUEST_STATUSES
+from specdec.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, REQUEST_STATUSES
 from specdec.sampling import DraftProposal, SamplingParams
-from specdec.target_features import TargetFeatures, join as join_features
+from specdec.target_features import EncodedFeatures, FeatureRelay, TargetFeatures
+from specdec.telemetry.logs import printable
 from specdec.v1 import drafter_pb2, verifier_pb2
 from specdec.verification import Verdict
 
@@ -32,11 +33,13 @@ class StreamLost(ConnectionError):
     """A downstream stream ended mid-request (the client sees ``UNAVAILABLE``)."""
 
 
-# How a peer's stream fails under us, as opposed to a bug here: grpc statuses and usage errors,
-# ``InvalidStateError`` from a write to a finished call, OS-level connection errors (resets),
-# and messages that do not parse or make no sense (ValueError, DecodeError).
+# How a peer's stream fails under us, as opposed to a bug here or a request's bad value: grpc
+# statuses and usage errors, ``InvalidStateError`` from a write to a finished call, OS-level
+# connection errors (resets), and messages that do not parse (DecodeError; a message that parses
+# but makes no sense is turned into ``StreamLost`` where it is read). A ``ValueError`` is not one:
+# building our own message from a request's value raises it, and that is the request's error.
 STREAM_FAILURES = (grpc.RpcError, grpc.aio.BaseError, asyncio.InvalidStateError, OSError, EOFError,
-                   ValueError, DecodeError)
+                   DecodeError)
 
 
 def own_cancel() -> bool:
@@ -96,6 +99,14 @@ async def _close(call, reader: asyncio.Task | None = None) -> None:
             reader.cancel()
         if not call.done():
             call.cancel()
+
+
+def _proposal(message) -> DraftProposal:
+    """A drafter's proposal message; one that parses but makes no sense is the drafter's failure."""
+    try:
+        return convert.proposal_from_pb(message)
+    except (ValueError, TypeError) as exc:
+        raise StreamLost(f"drafter sent a malformed proposal ({describe(exc)})") from exc
 
 
 class RemoteVerifier:
@@ -160,7 +171,8 @@ class RemoteDrafter:
 
     def __init__(self, stub, session_id: str, prompt_ids: list[int], params: SamplingParams,
                  time_remaining: Callable[[], float | None], metadata=None, draft_top_k: int = 0,
-                 net_delay_s: float = 0.0, request_id: str = "", reads_features: bool = False) -> None:
+                 net_delay_s: float = 0.0, request_id: str = "", reads_features: bool = False,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         # The stream opens in begin(): a session that never drafts costs the drafter nothing, and
         # one opened late gets the deadline's remaining time then.
         self._stub = stub
@@ -181,13 +193,21 @@ class RemoteDrafter:
         self._inbox: asyncio.Queue = asyncio.Queue()  # (release time, message or exception)
         self._ahead_owed = False  # a DraftAhead message is on its way
         self._continue_write: asyncio.Task | None = None
-        # A feature-level drafter (EAGLE): verdicts' target features wait here for the next proposal.
+        # A feature-level drafter (EAGLE): verdicts' target features wait here for the next proposal,
+        # the newest of them only, never more than one message holds (``FeatureRelay``).
         self.reads_features = reads_features
-        self._features: list[TargetFeatures] = []
+        self.holds_features = True  # the relay is bounded, and each proposal takes it as it starts
+        self.max_message_bytes = max_message_bytes  # what the channel to the drafter sends at most
+        self._features = FeatureRelay(max_message_bytes)
 
-    def add_features(self, features: TargetFeatures) -> None:
+    def add_features(self, features: EncodedFeatures | TargetFeatures) -> None:
         if self.broken is None:
-            self._features.append(features)
+            self._features.add(features)
+
+    @property
+    def feature_bytes_held(self) -> int:
+        """Bytes of features waiting for the next proposal (at most ``max_message_bytes``)."""
+        return self._features.nbytes
 
     @property
     def started(self) -> bool:
@@ -272,7 +292,7 @@ class RemoteDrafter:
     async def propose(self, committed: list[int], num_draft_tokens: int, ahead_tokens: int = 0) -> DraftProposal:
         # The features handed over so far belong to ``committed``: taken now, before any await lets a
         # later verdict's features in.
-        features, self._features = self._features, []
+        features = self._features.take()
         if self.broken is not None:
             return DraftProposal()
         try:
@@ -287,15 +307,14 @@ class RemoteDrafter:
                 round=self.round, committed_token_ids=committed, num_draft_tokens=num_draft_tokens,
                 ahead_tokens=ahead_tokens,
             )
-            if features:
-                propose.target_features.CopyFrom(convert.features_to_pb(join_features(features)))
+            convert.attach_features(propose, features, self.max_message_bytes)
             await _write(self.call, drafter_pb2.DraftRequest(propose=propose), self.net_delay_s)
             response = await self._next()
             if response.WhichOneof("kind") != "proposal":
                 raise StreamLost("drafter: expected a DraftProposal message")
             self.service_s += response.proposal.service_time_us * 1e-6
             self._ahead_owed = ahead_tokens > 0
-            return convert.proposal_from_pb(response.proposal)
+            return _proposal(response.proposal)
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - only the request's own cancel escapes
             self._lost(exc)
             return DraftProposal()
@@ -318,7 +337,7 @@ class RemoteDrafter:
                     raise StreamLost("drafter: expected a DraftAhead message")
                 self.service_s += response.ahead.proposal.service_time_us * 1e-6
                 assumed = [int(t) for t in response.ahead.assumed_token_ids]
-                return (assumed, convert.proposal_from_pb(response.ahead.proposal)) if assumed else None
+                return (assumed, _proposal(response.ahead.proposal)) if assumed else None
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - see _lost
             self._lost(exc)
             return None
@@ -328,14 +347,13 @@ class RemoteDrafter:
 
         Returns at once (the write goes out in the background, after the injected delay; a failed
         write surfaces in ``take_ahead``)."""
-        features, self._features = self._features, []
+        features = self._features.take()
         if self.broken is not None:
             return
         self.round += 1
         propose = drafter_pb2.DraftPropose(round=self.round, committed_token_ids=committed, num_draft_tokens=0,
                                            ahead_tokens=ahead_tokens, ahead_used=used)
-        if features:
-            propose.target_features.CopyFrom(convert.features_to_pb(join_features(features)))
+        convert.attach_features(propose, features, self.max_message_bytes)
         self._continue_write = asyncio.ensure_future(
             _write(self.call, drafter_pb2.DraftRequest(propose=propose), self.net_delay_s))
         self._ahead_owed = True
@@ -363,64 +381,73 @@ class VerifierUnavailable(StreamLost):
 
 
 class MigratingVerifier:
-    """``VerifierLink`` that survives the loss of its verifier while another replica is ready.
+    """``VerifierLink`` that survives the loss of its verifier.
 
     It tracks the committed text (prompt + tokens so far). When the stream breaks (any lost stream,
     see the module's docstring, or a status that is not about the request: anything outside
     ``REQUEST_STATUSES``, a refused service credential included), it opens a session on another
-    replica whose prompt is that committed text; the new session's prefill yields the next token,
-    exactly the token plain decoding would produce there (random draws are keyed by absolute
-    position, so sampling continues identically distributed). The round whose drafts were in
-    flight counts as fully rejected. A replacement that fails too is dropped for the next one.
-    With none left, ``VerifierUnavailable`` (the client gets UNAVAILABLE after the tokens already
-    streamed). Other statuses (DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, INVALID_ARGUMENT, ...) pass on.
+    ready replica, or, while none is ready, waits for one (a restart, a rollout) up to ``wait_s()``
+    (the gateway's ``--verifier-wait`` within the request's deadline); the new session's prompt is
+    that committed text, and its prefill yields the next token, exactly the token plain decoding
+    would produce there (random draws are keyed by absolute position, so sampling continues
+    identically distributed). The round whose drafts were in flight counts as fully rejected. A
+    replica whose stream failed is taken again only once it has become ready again since (a
+    restart at the same address). With none ready in time, ``VerifierUnavailable`` (the client gets
+    UNAVAILABLE after the tokens already streamed). Other statuses (DEADLINE_EXCEEDED,
+    RESOURCE_EXHAUSTED, INVALID_ARGUMENT, ...) pass on, and so does any error that is not the
+    stream's (a request's bad value).
     """
 
     def __init__(self, pool, backend, session_id: str, prompt_ids: list[int], params: SamplingParams,
                  remaining_s, metadata=None, net_delay_s: float = 0.0, request_id: str = "",
-                 want_features: bool = False) -> None:
+                 want_features: bool = False, wait_s: Callable[[], float] = lambda: 0.0) -> None:
         self.pool = pool
         self.want_features = want_features  # every replica's session streams the target's features
         self.net_delay_s = net_delay_s
         self.session_id = session_id
-        self.request_id = request_id or session_id  # for the logs: the client's id
+        self.request_id = printable(request_id or session_id)  # for the logs: the client's id
         self.params = params
         self.remaining_s = remaining_s  # callable: the client's remaining deadline, or None
+        self.wait_s = wait_s  # callable: how long to wait for a ready replica now
         self.metadata = metadata
         self.committed: list[int] = list(prompt_ids)
         self.migrations = 0
-        self.backend = backend
         self.link = self._open(backend, self.committed)
+        self.backend = backend
 
     def _open(self, backend, prompt_ids: list[int]) -> RemoteVerifier:
-        backend.in_flight += 1
-        return RemoteVerifier(backend.stub, self.session_id, list(prompt_ids), self.params,
+        link = RemoteVerifier(backend.stub, self.session_id, list(prompt_ids), self.params,
                               self.remaining_s(), self.metadata, self.net_delay_s, self.want_features)
+        backend.in_flight += 1  # once the link exists: close() lowers it again
+        return link
 
-    def _replace(self, error: BaseException, failed: set[str]) -> None:
-        """Move the session to another ready replica, or raise ``VerifierUnavailable``."""
+    async def _replace(self, error: BaseException, failed: dict[str, int]) -> None:
+        """Move the session to another ready replica (waiting for one if none is), or raise
+        ``VerifierUnavailable``."""
         lost = self.backend
-        failed.add(lost.address)
-        # Not ready until its next successful refresh: new requests wait for it (or take another)
-        # instead of failing on it in turn.
-        lost.info = None
-        replacement = self.pool.pick(exclude=failed)
+        failed[lost.address] = lost.ready_epoch
+        self.pool.mark_failed(lost)
+        self.link.call.cancel()
+        replacement = self.pool.pick(failed=failed)
         if replacement is None:
-            log.warning("verifier %s failed for request %s (verifier session %s): %s; no other replica is ready",
-                        lost.address, self.request_id, self.session_id, describe(error))
-            raise VerifierUnavailable(f"verifier {lost.address} failed mid-request ({describe(error)}) "
-                                      "and no other verifier replica is ready") from error
+            wait_s = self.wait_s()
+            log.warning("verifier %s failed for request %s (verifier session %s): %s; no other replica is ready, "
+                        "waiting up to %.0f s for one", lost.address, self.request_id, self.session_id,
+                        describe(error), wait_s)
+            replacement = await self.pool.wait_pick(wait_s, failed=failed)
+            if replacement is None:
+                raise VerifierUnavailable(f"verifier {lost.address} failed mid-request ({describe(error)}) "
+                                          f"and no verifier replica was ready within {wait_s:.0f} s") from error
         log.warning("verifier %s failed for request %s (verifier session %s): %s; re-prefilling %d tokens on %s",
                     lost.address, self.request_id, self.session_id, describe(error), len(self.committed),
                     replacement.address)
-        lost.in_flight -= 1
-        self.link.call.cancel()
-        self.backend = replacement
         self.link = self._open(replacement, self.committed)
+        lost.in_flight -= 1
+        self.backend = replacement
         self.migrations += 1
 
     async def _guarded(self, operation) -> Verdict:
-        failed: set[str] = set()
+        failed: dict[str, int] = {}
         while True:
             try:
                 return await operation()
@@ -434,7 +461,7 @@ class MigratingVerifier:
                 error = StreamLost("verifier stream cancelled")
             except STREAM_FAILURES as exc:
                 error = exc
-            self._replace(error, failed)
+            await self._replace(error, failed)
             operation = self.link.prefill  # the new session's prefill yields the next token
 
     async def prefill(self) -> Verdict:

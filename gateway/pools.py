@@ -1,5 +1,10 @@
 """The gateway's drafter and verifier replicas: each one's channel, readiness and load, and the
-least-loaded pick (static addresses, or a live EndpointSlice set from ``gateway.discovery``)."""
+least-loaded pick (static addresses, or a live EndpointSlice set from ``gateway.discovery``).
+
+A replica is *ready* when its ``grpc.health.v1`` status for its own service is SERVING (model loaded
+and warmed up, not draining) and its ``GetInfo`` answers with this gateway's tokenizer. A replica
+that answers ``GetInfo`` while still warming up, or while draining, is not picked.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,10 @@ import logging
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.rpc.server import open_channel
+from specdec.telemetry.logs import printable
 from specdec.v1 import drafter_pb2, verifier_pb2
 
 log = logging.getLogger("specdec.gateway")
@@ -22,8 +29,14 @@ class Backend:
     address: str
     channel: grpc.aio.Channel
     stub: object
+    health: object  # grpc.health.v1 stub on the same channel
     in_flight: int = 0  # this gateway's open sessions on it
-    info: object = None  # the last GetInfo answer; None = not ready
+    info: object = None  # the last GetInfo answer while ready; None = not ready
+    known_method: str | None = None  # the draft method it reported last (kept while it is not ready)
+    # Counts the times it became ready: a session that failed on it may come back to it only after
+    # it became ready again (a restart at the same address), never on the strength of an old answer.
+    ready_epoch: int = 0
+    not_serving_logged: bool = False
     reported_active: int = 0  # sessions it reported at the last refresh (all gateways)
     opened_since_report: int = 0
     removed: bool = False
@@ -38,12 +51,18 @@ class Backend:
 _REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
+SERVICE_NAMES = {"verifier": "specdec.v1.Verifier", "drafter": "specdec.v1.Drafter"}
+
+
 class BackendPool:
-    """The replicas of one role: static addresses or a live EndpointSlice set, refreshed by GetInfo."""
+    """The replicas of one role: static addresses or a live EndpointSlice set, refreshed by health
+    checks and GetInfo."""
 
     def __init__(self, role: str, stub_cls, max_message_bytes: int, tls=None,
                  service_token: str | None = None) -> None:
         self.role = role
+        self.service_name = SERVICE_NAMES[role]
+        self._refreshed = asyncio.Condition()  # notified after every refresh (waiters re-pick)
         self.tls = tls
         self.service_token = service_token  # presented on every call (open_channel adds it)
         self.server_name: str | None = None  # the TLS name discovered pods' certificates carry
@@ -61,52 +80,104 @@ class BackendPool:
         for address in sorted(wanted - known):
             channel = open_channel(address, self.tls, self.max_message_bytes, service_token=self.service_token,
                                    server_name=self.server_name)
-            self.backends.append(Backend(address=address, channel=channel, stub=self.stub_cls(channel)))
+            self.backends.append(Backend(address=address, channel=channel, stub=self.stub_cls(channel),
+                                         health=health_pb2_grpc.HealthStub(channel)))
         for backend in [b for b in self.backends if b.removed and b.in_flight == 0]:
             self.backends.remove(backend)
             asyncio.ensure_future(backend.channel.close())
 
     async def refresh(self, timeout: float = 2.0) -> None:
-        """Ask every replica for its info and load; unreachable or mismatched ones are not ready."""
+        """Ask every replica for its health, info and load; unreachable, warming, draining or
+        mismatched ones are not ready."""
         request = verifier_pb2.GetVerifierInfoRequest() if self.role == "verifier" else drafter_pb2.GetDrafterInfoRequest()
+        health_request = health_pb2.HealthCheckRequest(service=self.service_name)
 
         async def one(backend: Backend) -> None:
             try:
-                info = await backend.stub.GetInfo(request, timeout=timeout)
+                health, info = await asyncio.gather(backend.health.Check(health_request, timeout=timeout),
+                                                    backend.stub.GetInfo(request, timeout=timeout))
             except grpc.aio.AioRpcError as exc:
-                backend.info = None
+                self.mark_failed(backend)
                 if exc.code() in _REFUSED and not backend.refusal_logged:
                     # Our service token or certificate is wrong: say so here, not only in its log.
                     log.error("%s %s refuses this gateway (%s: %s); not using it", self.role, backend.address,
-                              exc.code().name, exc.details())
+                              exc.code().name, printable(exc.details()))
                     backend.refusal_logged = True
                 return
             backend.refusal_logged = False
+            if health.status != health_pb2.HealthCheckResponse.SERVING:
+                # Loaded but warming up, or draining: answers GetInfo, takes no new session.
+                if not backend.not_serving_logged:
+                    log.info("%s %s is not serving yet (warming up or draining)", self.role, backend.address)
+                    backend.not_serving_logged = True
+                self.mark_failed(backend)
+                return
+            backend.not_serving_logged = False
             fingerprint = info.model.tokenizer_fingerprint
             if fingerprint and self.fingerprint and fingerprint != self.fingerprint:
                 if not backend.tokenizer_mismatch_logged:
-                    log.error("%s %s serves %r with a different tokenizer; not using it",
-                              self.role, backend.address, info.model.model)
+                    log.error("%s %s serves %s with a different tokenizer; not using it",
+                              self.role, backend.address, printable(info.model.model))
                     backend.tokenizer_mismatch_logged = True
-                backend.info = None
+                backend.known_method = ""  # it answered, and offers nothing this gateway can use
+                self.mark_failed(backend)
                 return
+            backend.known_method = getattr(info, "method", None)
             if backend.info is None:
-                log.info("%s %s ready (%s)", self.role, backend.address, info.model.model or getattr(info, "method", ""))
+                backend.ready_epoch += 1
+                log.info("%s %s ready (%s)", self.role, backend.address,
+                         printable(info.model.model or getattr(info, "method", "")))
             backend.info = info
             backend.reported_active = info.load.active_sessions
             backend.opened_since_report = 0
 
         await asyncio.gather(*(one(b) for b in list(self.backends)))
+        async with self._refreshed:
+            self._refreshed.notify_all()
+
+    @staticmethod
+    def mark_failed(backend: Backend) -> None:
+        """Not ready until a refresh finds it serving again (after a failed stream on it, new requests
+        wait for it or take another instead of failing on it in turn)."""
+        backend.info = None
+
+    def offers(self, method: str) -> bool | None:
+        """Whether some replica drafts with ``method``: True, False (every replica has said what it
+        drafts with, and none this), or None (some never answered yet: unknown)."""
+        methods = [b.known_method for b in self.backends if not b.removed]
+        if method in methods:
+            return True
+        return None if None in methods else False
 
     def ready(self, method: str | None = None) -> list[Backend]:
         return [b for b in self.backends
                 if b.info is not None and not b.removed and (method is None or b.info.method == method)]
 
-    def pick(self, method: str | None = None, exclude: set[str] = frozenset()) -> Backend | None:
-        """The least-loaded ready replica (of ``method`` if given, not in ``exclude``)."""
-        ready = [b for b in self.ready(method) if b.address not in exclude]
+    def pick(self, method: str | None = None, failed: dict[str, int] | None = None) -> Backend | None:
+        """The least-loaded ready replica (of ``method`` if given); ``failed``: address -> the
+        ``ready_epoch`` it had when a stream on it failed; such a replica is skipped until it has
+        become ready again since."""
+        failed = failed or {}
+        ready = [b for b in self.ready(method) if b.ready_epoch > failed.get(b.address, -1)]
         if not ready:
             return None
         backend = min(ready, key=lambda b: b.load)
         backend.opened_since_report += 1
         return backend
+
+    async def wait_pick(self, wait_s: float, method: str | None = None,
+                        failed: dict[str, int] | None = None) -> Backend | None:
+        """``pick``, waiting up to ``wait_s`` for a replica to become ready (a restart, a rollout);
+        None if none did."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            backend = self.pick(method, failed)
+            remaining = deadline - loop.time()
+            if backend is not None or remaining <= 0:
+                return backend
+            async with self._refreshed:
+                try:
+                    await asyncio.wait_for(self._refreshed.wait(), remaining)
+                except asyncio.TimeoutError:
+                    pass

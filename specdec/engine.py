@@ -35,6 +35,10 @@ class DrafterLink(Protocol):
     # True for a feature-level drafter (EAGLE): the loop hands it every verdict's target features
     # (``add_features``) before the next proposal.
     reads_features: bool
+    # True for a link that only holds features until its next proposal (a bounded relay, taken the
+    # moment a proposal starts): the loop hands them over as verdicts arrive instead of holding
+    # every one of a long k = 0 stretch itself.
+    holds_features: bool
 
     async def propose(self, committed: list[int], num_draft_tokens: int) -> DraftProposal:
         """``committed``: tokens committed since the previous call (first call: none)."""
@@ -274,12 +278,15 @@ async def generate(
     shadow_probes = (shadow_probes and drafter is not None and getattr(drafter, "concurrent", False)
                      and not draft_ahead and completion.params.greedy)
     relay_features = drafter is not None and getattr(drafter, "reads_features", False)
+    hand_at_once = relay_features and getattr(drafter, "holds_features", False)
     unsent_features: list[TargetFeatures] = []  # verdicts' features, with ``pending``: not yet told to the drafter
 
     def take_features(verdict: Verdict) -> None:
         if verdict.features is not None:
             stats.feature_bytes += verdict.features.wire_bytes
-            if relay_features:
+            if hand_at_once:
+                drafter.add_features(verdict.features)
+            elif relay_features:
                 unsent_features.append(verdict.features)
 
     def hand_features() -> None:

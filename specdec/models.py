@@ -257,7 +257,7 @@ def load_model(
 
     ``runtime``: ``lean`` (``specdec.lean``: Llama-family models, fp32), ``hf`` (transformers'
     forward) or ``auto`` (lean where supported); default ``$SPECDEC_RUNTIME``, else auto."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(name_or_path)
     device = torch.device(device) if device is not None else default_device()
@@ -278,25 +278,7 @@ def load_model(
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load model {name_or_path!r}: {exc}") from exc
     model.to(device).eval()
-    eos: set[int] = set()
-    try:
-        generation_eos = GenerationConfig.from_pretrained(path).eos_token_id
-    except OSError:
-        generation_eos = None
-    for source in (generation_eos, model.config.eos_token_id, tokenizer.eos_token_id):
-        if source is None:
-            continue
-        eos.update([source] if isinstance(source, int) else source)
-    params = inspect.signature(model.forward).parameters
-    loaded = LoadedModel(
-        name=name_or_path,
-        model=model,
-        tokenizer=tokenizer,
-        device=device,
-        vocab_size=min(len(tokenizer), int(model.get_output_embeddings().weight.shape[0])),
-        eos_token_ids=tuple(sorted(eos)),
-        _cache_kwarg="cache" if "cache" in params else "past_key_values",
-    )
+    loaded = as_loaded_model(name_or_path, path, model, tokenizer, device)
     # At load: every forward of the model, a session's own or a batched pass, runs the same attention.
     from specdec.ragged import enable_ragged_attention
 
@@ -309,6 +291,34 @@ def load_model(
         except (ValueError, TypeError) as exc:
             raise ModelLoadError(f"{head_file}: {exc}") from exc
     return loaded
+
+
+def as_loaded_model(name_or_path: str, path: str, model, tokenizer, device: torch.device) -> LoadedModel:
+    """``model`` (from ``path``) with its tokenizer and vocabulary facts: the ids the tokenizer knows
+    and the model has rows for, and the end-of-sequence ids (the generation config's, the model
+    config's and the tokenizer's). ``load_model`` adds the runtime; a model on the meta device stays
+    facts only (``specdec.eagle.target_rows``)."""
+    from transformers import GenerationConfig
+
+    eos: set[int] = set()
+    try:
+        generation_eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        generation_eos = None
+    for source in (generation_eos, model.config.eos_token_id, tokenizer.eos_token_id):
+        if source is None:
+            continue
+        eos.update([source] if isinstance(source, int) else source)
+    params = inspect.signature(model.forward).parameters
+    return LoadedModel(
+        name=name_or_path,
+        model=model,
+        tokenizer=tokenizer,
+        device=device,
+        vocab_size=min(len(tokenizer), int(model.get_output_embeddings().weight.shape[0])),
+        eos_token_ids=tuple(sorted(eos)),
+        _cache_kwarg="cache" if "cache" in params else "past_key_values",
+    )
 
 
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:

@@ -27,6 +27,12 @@ DRAW_ACCEPT = 0  # the acceptance test's r: accept x iff r * q(x) < p(x)
 DRAW_TOKEN = 1  # the single uniform that picks a token by inverse CDF
 
 
+# What the wire's types hold (types.proto): a value past them cannot be sent downstream, so it is
+# the request's error, caught where the request is validated (not at a peer, not as a peer's fault).
+UINT32_MAX = 2**32 - 1
+UINT64_MAX = 2**64 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
 # Temperatures below this sample greedily (as vLLM's sampling epsilon): a smaller T would turn
 # logits / T into inf (NaN probabilities) for any logit spread, and its distribution is the argmax anyway.
 GREEDY_TEMPERATURE = 1e-5
@@ -53,24 +59,39 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the offending field."""
-        if self.max_new_tokens < 1:
-            raise ValueError("sampling.max_new_tokens must be >= 1")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError("sampling.temperature must be a finite number >= 0")
-        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError("sampling.top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("sampling.top_k must be >= 0 (0 disables it)")
+        """Raise ``ValueError`` naming the offending field. Every value must also fit the type the
+        wire carries it in (uint32 counts and ids, float32 temperature and top_p, UTF-8 strings)."""
+        if not 1 <= self.max_new_tokens <= UINT32_MAX:
+            raise ValueError(f"sampling.max_new_tokens must be in [1, {UINT32_MAX}]")
+        if not math.isfinite(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
+            raise ValueError("sampling.temperature must be a finite number >= 0 (within float32)")
+        # top_p travels as float32: a value that rounds to 0 there (1e-46) is out of range too.
+        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0 or np.float32(self.top_p) == 0:
+            raise ValueError("sampling.top_p must be in (0, 1] (and above 0 as a float32)")
+        if not 0 <= self.top_k <= UINT32_MAX:
+            raise ValueError(f"sampling.top_k must be in [0, {UINT32_MAX}] (0 disables it)")
+        if self.seed is not None and not 0 <= self.seed <= UINT64_MAX:
+            raise ValueError(f"sampling.seed must be in [0, {UINT64_MAX}]")
         if self.draft_top_k < 1:
             raise ValueError("sampling.draft_top_k must be >= 1")
         if any(not s for s in self.stop):
             raise ValueError("sampling.stop must not contain empty strings")
-        if any(t < 0 for t in self.stop_token_ids):
+        if not all(is_utf8(s) for s in self.stop):
+            raise ValueError("sampling.stop: strings must be valid Unicode (no lone surrogates)")
+        if any(not 0 <= t <= UINT32_MAX for t in self.stop_token_ids):
             raise ValueError("sampling.stop_token_ids must be >= 0")
 
     def resolved_seed(self) -> int:
         return self.seed if self.seed is not None else 0
+
+
+def is_utf8(text: str) -> bool:
+    """Whether ``text`` encodes to UTF-8 (a lone surrogate, which JSON's escapes allow, does not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def with_random_seed(params: SamplingParams) -> SamplingParams:

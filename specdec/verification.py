@@ -17,7 +17,7 @@ from specdec.sampling import (
     greedy_tokens,
     process_logits,
 )
-from specdec.target_features import WIRE_DTYPE, TargetFeatures
+from specdec.target_features import WIRE_DTYPE, EncodedFeatures, TargetFeatures
 
 
 @dataclass(frozen=True)
@@ -36,11 +36,12 @@ class Verdict:
     batch: BatchInfo | None = None  # the batched pass that computed it (verifier service), if known
     # A session that wants features: the target's at positions committed_length - len(tokens) - 1 ..
     # committed_length - 2 (prefill: the whole prompt, 0 .. committed_length - 2; see ``TargetSession``).
-    features: TargetFeatures | None = None
+    # Encoded (as received, not decoded) where a relay got the verdict over the wire.
+    features: TargetFeatures | EncodedFeatures | None = None
 
     @staticmethod
     def from_acceptance(result: AcceptanceResult, committed_length: int,
-                        features: TargetFeatures | None = None) -> "Verdict":
+                        features: TargetFeatures | EncodedFeatures | None = None) -> "Verdict":
         return Verdict(result.num_drafts, result.num_accepted, result.tokens, committed_length, features=features)
 
 

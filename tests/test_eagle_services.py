@@ -61,7 +61,7 @@ def stack(tiny_pair, head_dir, tmp_path_factory):
 def test_verdicts_carry_each_committed_position_feature_once_as_teacher_forcing_computes_it(tiny_pair, runtime):
     """Prefill (in chunks, as a busy verifier feeds a long prompt) then rounds that accept none, some
     and all drafts: the verdicts' features tile positions 0 .. n - 2 exactly once, in order, and
-    equal the target's features over the final text (fp16 on the wire)."""
+    equal the target's features over the final text (bf16 on the wire, so within its rounding)."""
     target = load_model(str(tiny_pair[1]), runtime=runtime)
     prompt = [5, 17, 33, 2, 9, 41, 7, 12, 90, 4, 61]
     session = TargetSession(target, prompt, SamplingParams(max_new_tokens=40), want_features=True)
@@ -86,7 +86,7 @@ def test_verdicts_carry_each_committed_position_feature_once_as_teacher_forcing_
     streamed = torch.cat([v.features.values for v in verdicts]).float()
     assert streamed.shape[0] == len(session.tokens) - 1
     forced = teacher_force(target, [session.tokens])[0]["features"].float()[:-1]
-    torch.testing.assert_close(streamed, forced, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(streamed, forced, rtol=5e-3, atol=2e-3)
 
 
 def test_a_windowed_prefill_sends_the_prompt_tail_and_the_head_drafts_from_it(tiny_target, head_dir):
@@ -123,7 +123,7 @@ def test_a_windowed_prefill_sends_the_prompt_tail_and_the_head_drafts_from_it(ti
 
 
 def test_features_round_trip_the_wire_and_bad_ones_name_their_field():
-    values = torch.randn(3, 8).to(torch.float16)
+    values = torch.randn(3, 8).to(torch.bfloat16)
     pb = convert.features_to_pb(TargetFeatures(5, values))
     assert len(pb.data) == 3 * 8 * 2
     back = convert.features_from_pb(pb, "features", hidden_size=8)
@@ -133,7 +133,7 @@ def test_features_round_trip_the_wire_and_bad_ones_name_their_field():
     pb.data = pb.data[:-2]
     with pytest.raises(ValueError, match="features.data"):
         convert.features_from_pb(pb, "features")
-    pb.data = torch.full((3, 8), float("nan"), dtype=torch.float16).numpy().tobytes()
+    pb.data = torch.full((3, 8), float("nan"), dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
     with pytest.raises(ValueError, match="features.data: not finite"):
         convert.features_from_pb(pb, "features")
     with pytest.raises(ValueError, match="target_features"):  # a token-level drafter refuses features
@@ -225,11 +225,6 @@ def test_services_report_features_and_refuse_bad_ones_by_name(stack):
                 list(stub.Draft(iter([start, message]), timeout=10))
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert field in info.value.details(), info.value.details()
-        gap = [start, propose(0, 3), propose(5, 1, committed=(9, 10, 11))]
-        with pytest.raises(grpc.RpcError) as info:
-            list(stub.Draft(iter(gap), timeout=10))
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "target_features.start_position" in info.value.details()
 
 
 def test_a_prompt_whose_features_pass_the_message_limit_streams_its_tail(tiny_pair, head_dir, tiny_target, tmp_path):

@@ -2,14 +2,15 @@
 
 A drafter killed mid-stream: the stream completes token-identical to plain decoding, the drafter is
 restarted and serving within 30 s, and the next request drafts with it again. A verifier killed
-mid-stream: the stream ends UNAVAILABLE within 2 s; a request sent meanwhile waits for the restarted
-verifier and is served.
+mid-stream: the stream waits for the restarted verifier and completes token-identical, and requests
+sent meanwhile wait for it and are served exactly.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import grpc
@@ -83,20 +84,61 @@ def test_a_drafter_killed_mid_stream_costs_no_token_and_comes_back(up_stack):
         assert result.token_ids == _plain(client, 24)
 
 
-def test_a_verifier_killed_mid_stream_fails_fast_and_comes_back(up_stack):
+def test_a_verifier_killed_mid_stream_is_waited_for_and_every_request_is_served_exactly(up_stack):
+    """kill -9 of the verifier mid-stream: the stream waits for the restarted verifier (--verifier-wait)
+    and completes token-identical; requests sent 0 s, 2 s and 10 s after the kill (the first reaches
+    the dead address before the gateway's next refresh notices) are served exactly too."""
     stack, address = up_stack
     with GatewayClient(address, timeout=120) as client:
+        # 200 tokens: a migrated session's re-prefill is one pass over the committed text, whose fp32
+        # rounding differs from incremental decoding's; this tiny model has a near-tie past 300
+        # tokens of this prompt where that flips the argmax (README: "Failures and security").
+        expected_long, expected_short = _plain(client, 200), _plain(client, 16)
         pid = stack.service_pids()["verifier"]
-        _, error, seconds = _kill_after_chunks(client, pid, 3, prompt=PROMPT, max_new_tokens=400, ignore_eos=True,
-                                               method="model", num_draft_tokens=2)
-        assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE, error
-        assert seconds < 2.0
-        # A request sent while the verifier restarts waits for it (--verifier-wait) instead of failing.
-        sent = time.monotonic()
-        result = client.generate(prompt=PROMPT, max_new_tokens=16, ignore_eos=True)
-        assert len(result.token_ids) == 16
+        results: dict[float, object] = {}
+
+        def send_after(delay_s: float, killed_at: float) -> None:
+            time.sleep(max(0.0, killed_at + delay_s - time.monotonic()))
+            sent = time.monotonic()
+            try:
+                with GatewayClient(address, timeout=120) as other:
+                    tokens = other.generate(prompt=PROMPT, max_new_tokens=16, ignore_eos=True, method="none").token_ids
+                results[delay_s] = (tokens, time.monotonic() - sent)
+            except grpc.RpcError as exc:
+                results[delay_s] = exc
+
+        senders: list[threading.Thread] = []
+
+        def kill() -> None:
+            os.kill(pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            for delay_s in (0.0, 2.0, 10.0):
+                senders.append(threading.Thread(target=send_after, args=(delay_s, killed_at)))
+                senders[-1].start()
+
+        tokens, error, seen = [], None, 0
+        try:
+            for event in client.stream(prompt=PROMPT, max_new_tokens=200, ignore_eos=True, method="model",
+                                       num_draft_tokens=2):
+                if isinstance(event, ChunkEvent):
+                    tokens += event.token_ids
+                    seen += 1
+                    if seen == 3:
+                        kill()
+        except grpc.RpcError as exc:
+            error = exc
+        for sender in senders:
+            sender.join(90)
+        assert error is None, (error.code(), error.details())
+        assert tokens == expected_long
         assert stack.service_pids()["verifier"] != pid
-        assert time.monotonic() - sent < 30
+        for delay_s in (0.0, 2.0, 10.0):
+            outcome = results[delay_s]
+            assert not isinstance(outcome, grpc.RpcError), (delay_s, outcome.code(), outcome.details())
+            served, seconds = outcome
+            assert served == expected_short, delay_s
+            assert seconds < 30  # within --verifier-wait
+
 
 
 def test_without_a_verifier_a_request_waits_then_fails_unavailable(tiny_pair, tmp_path):

@@ -15,6 +15,7 @@ from specdec.rpc.scheduler import BatchingOptions
 from specdec.rpc.server import NotReady, idle_guard, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
 from specdec.rpc.sessions import ModelWorkerService, validate_session_id
 from specdec.sampling import DraftProposal, with_random_seed
+from specdec.target_features import WIRE_DTYPE
 from specdec.v1 import types_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.verification import PrefillChunk, TargetSession, Verdict, VerifyJob, verify_batch
 
@@ -60,7 +61,8 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
     def feature_window(self, lm: LoadedModel) -> int | None:
         """The most feature positions a prefill verdict carries (a long prompt's tail): half the
         message size limit (the gateway joins a few verdicts' features into one DraftPropose)."""
-        return max(64, self.runtime.options.max_message_bytes // 2 // (2 * lm.feature_size)) if lm.feature_size else None
+        row_bytes = WIRE_DTYPE.itemsize * lm.feature_size
+        return max(64, self.runtime.options.max_message_bytes // 2 // row_bytes) if lm.feature_size else None
 
     def _require_model(self) -> LoadedModel:
         if self.lm is None:

@@ -15,7 +15,8 @@ import torch
 
 from specdec.drafters import DraftSession, Drafter, choose_draft
 from specdec.eagle.drafting import HeadSession
-from specdec.eagle.head import EagleHead
+from specdec.eagle.head import EagleHead, TargetTensors
+from specdec.lm import LoadedModel
 from specdec.models import resolve_model_path
 from specdec.sampling import DraftProposal, SamplingParams
 from specdec.target_features import WIRE_DTYPE, TargetFeatures
@@ -29,8 +30,14 @@ DRAFTING_HEAD_TOKENS = 4096
 
 class FeatureHistory:
     """The target's features for positions first .. length - 1, in a buffer that grows by doubling
-    (a round appends its few rows; nothing is copied per round beyond them). ``first`` is 0 unless
-    the first features began later (a long prompt's are windowed: ``TargetSession``)."""
+    (a round appends its few rows; nothing is copied per round beyond them).
+
+    ``first`` is 0 unless the features began later: a long prompt's are windowed (``TargetSession``),
+    and a relay keeps only the newest features that fit one message while a session drafts nothing
+    (``target_features.FeatureRelay``). Features that start past ``length`` (a jump forward: the
+    relay dropped those between) or before ``first`` (a migrated verifier's windowed prefill resends
+    from earlier) start the history afresh there; the head then drafts from them on
+    (``HeadSession``), which changes drafts only, never the output."""
 
     def __init__(self, width: int) -> None:
         self.width = width
@@ -43,13 +50,8 @@ class FeatureHistory:
         if features.values.shape[1] != self.width:
             raise ValueError(f"target_features.hidden_size: {features.values.shape[1]}, this drafter's head "
                              f"reads {self.width}")
-        if self.length == 0:
-            self.first = self.length = features.start
-        if features.start > self.length:
-            raise ValueError(f"target_features.start_position: {features.start} leaves positions "
-                             f"{self.length}..{features.start - 1} without features")
-        if features.start < self.first:  # earlier positions after all (a migrated verifier resends more)
-            self._rows, self.first, self.length = torch.empty((0, self.width), dtype=WIRE_DTYPE), features.start, features.start
+        if self.length == self.first or not self.first <= features.start <= self.length:
+            self.first = self.length = features.start  # the first features, or a fresh start (see above)
         end = features.end
         if end - self.first > self._rows.shape[0]:
             grown = torch.empty((max(end - self.first, 2 * self._rows.shape[0], 256), self.width), dtype=WIRE_DTYPE)
@@ -115,11 +117,14 @@ class EagleDrafter(Drafter):
         self.head_name = head_name  # what GetInfo reports as the draft model
 
     @classmethod
-    def load(cls, head_dir: str | Path, target, max_head_tokens: int | None = DRAFTING_HEAD_TOKENS) -> EagleDrafter:
-        """The head in ``head_dir`` over ``target``'s (a ``LoadedModel``) embedding and LM head rows,
-        its LM head cut to the ``max_head_tokens`` most frequent ids (None: all it was trained with)."""
-        head = EagleHead.load(resolve_model_path(str(head_dir)), target, max_head_tokens)
-        return cls(head, target.vocab_size, f"eagle:{Path(str(head_dir)).name}")
+    def load(cls, head_dir: str | Path, target: LoadedModel | TargetTensors,
+             max_head_tokens: int | None = DRAFTING_HEAD_TOKENS) -> EagleDrafter:
+        """The head in ``head_dir`` over ``target``'s embedding and LM head rows (a loaded target, or
+        only those tensors: ``target_rows.read_target``), its LM head cut to the ``max_head_tokens``
+        most frequent ids (None: all it was trained with)."""
+        tensors = target if isinstance(target, TargetTensors) else TargetTensors.of(target)
+        head = EagleHead.load(resolve_model_path(str(head_dir)), tensors, max_head_tokens)
+        return cls(head, tensors.vocab_size, f"eagle:{Path(str(head_dir)).name}")
 
     def start(self, prompt_ids: list[int], params: SamplingParams) -> DraftSession:
         return EagleDraftSession(self.head, prompt_ids, params, self.vocab_size)

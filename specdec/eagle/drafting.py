@@ -61,7 +61,8 @@ class HeadSession:
     feeds the newly settled positions in one pass, drafts (its own features past the target's), then
     crops back to the settled positions: drafted positions are recomputed from the target's features
     later. ``base`` is 0 unless the target's features began later (a long prompt's are windowed, see
-    ``TargetSession``): the head then attends from there on only, which changes its drafts, never the output.
+    ``TargetSession``) or start afresh later (a relay's window after rounds without drafts, see
+    ``FeatureHistory``): the head then attends from there on only, which changes its drafts, never the output.
     """
 
     def __init__(self, head: EagleHead) -> None:

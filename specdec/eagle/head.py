@@ -83,6 +83,27 @@ def causal_lm_of(target) -> nn.Module:
     return target.model if isinstance(target, LoadedModel) else target
 
 
+@dataclass
+class TargetTensors:
+    """What a head reads of its target: the causal LM's module tree for its config and shapes (on the
+    meta device, without weights, when read from the target's files: ``specdec.eagle.target_rows``),
+    the ids its tokenizer knows, the input embedding [V, H] (in the target's dtype, where it runs) and
+    the LM head's rows for given ids."""
+
+    causal_lm: nn.Module
+    vocab_size: int
+    embedding: torch.Tensor
+    lm_head_rows: Callable[[torch.Tensor], torch.Tensor]
+
+    @classmethod
+    def of(cls, target) -> TargetTensors:
+        """A loaded target's (a ``LoadedModel`` or the causal LM itself)."""
+        causal = causal_lm_of(target)
+        weight = causal.get_output_embeddings().weight
+        vocab = target.vocab_size if isinstance(target, LoadedModel) else int(weight.shape[0])
+        return cls(causal, vocab, causal.get_input_embeddings().weight, lambda ids: weight[ids])
+
+
 class RMSNorm(nn.Module):
     """Llama's RMSNorm (fp32 statistics, weight applied in the input dtype)."""
 
@@ -263,8 +284,9 @@ class EagleHead(nn.Module):
     @torch.no_grad()
     def load(cls, directory: str | Path, target, max_head_tokens: int | None = None) -> EagleHead:
         """The head saved in ``directory``, in fp32, with ``target``'s embedding (and LM head rows
-        unless the saved head trained its own). ``max_head_tokens``: keep only the first that many
-        head ids (saved most frequent first, after the end-of-sequence ids): a cheaper LM head."""
+        unless the saved head trained its own); ``target``: a loaded target or its ``TargetTensors``.
+        ``max_head_tokens``: keep only the first that many head ids (saved most frequent first, after
+        the end-of-sequence ids): a cheaper LM head."""
         from safetensors.torch import load_file
 
         directory = Path(directory)
@@ -272,20 +294,20 @@ class EagleHead(nn.Module):
         if raw.pop("format", None) != HEAD_FORMAT:
             raise ValueError(f"{directory}: not an EAGLE head ({CONFIG_FILE} lacks format {HEAD_FORMAT!r})")
         config = HeadConfig(**raw)
-        causal = causal_lm_of(target)
-        expected = HeadConfig.from_target(causal)
+        tensors = target if isinstance(target, TargetTensors) else TargetTensors.of(target)
+        expected = HeadConfig.from_target(tensors.causal_lm)
         if (expected.hidden_size, expected.vocab_size) != (config.hidden_size, config.vocab_size):
             raise ValueError(f"{directory}: head for hidden {config.hidden_size} / vocab {config.vocab_size}, target "
                              f"has {expected.hidden_size} / {expected.vocab_size}")
         saved_ids = torch.tensor(json.loads((directory / HEAD_TOKEN_IDS_FILE).read_text()), dtype=torch.long)
         ids = saved_ids[:max_head_tokens]
-        embedding = causal.get_input_embeddings().weight
+        embedding = tensors.embedding
         head = cls(config, ids, embedding).to(embedding.device)
         state = {k: v.float() for k, v in load_file(str(directory / WEIGHTS_FILE)).items()}
         if config.train_lm_head:
             state["lm_head.weight"] = state["lm_head.weight"][: len(ids)]
         else:
-            state["lm_head.weight"] = causal.get_output_embeddings().weight[head.head_token_ids].float()
+            state["lm_head.weight"] = tensors.lm_head_rows(head.head_token_ids).float()
         head.load_state_dict(state, strict=True)
         return head.to(embedding.device)
 

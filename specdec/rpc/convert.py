@@ -9,7 +9,7 @@ from specdec.engine import GenerationStats
 from specdec.lm import LoadedModel
 from specdec.ragged import BatchInfo
 from specdec.sampling import DEFAULT_DRAFT_TOP_K, DraftProposal, SamplingParams, SparseDistribution
-from specdec.target_features import WIRE_DTYPE, TargetFeatures
+from specdec.target_features import EncodedFeatures, TargetFeatures
 from specdec.v1 import gateway_pb2, types_pb2
 from specdec.verification import Verdict, check_draft_probs
 
@@ -89,27 +89,41 @@ def proposal_from_pb(msg, support_bound: int | None = None) -> DraftProposal:
     return proposal
 
 
-def features_to_pb(features: TargetFeatures) -> types_pb2.TargetFeatures:
-    values = features.values.to(WIRE_DTYPE).contiguous()
-    return types_pb2.TargetFeatures(start_position=features.start, num_positions=values.shape[0],
-                                    hidden_size=values.shape[1], data=values.numpy().astype("<f2").tobytes())
+# At most what a TargetFeatures field adds to a DraftPropose beside its data (tags, varints, length
+# prefixes), the DraftRequest around the proposal included.
+FEATURES_FIELD_OVERHEAD = 64
+
+
+def features_to_pb(features: TargetFeatures | EncodedFeatures) -> types_pb2.TargetFeatures:
+    encoded = features.encode() if isinstance(features, TargetFeatures) else features
+    return types_pb2.TargetFeatures(start_position=encoded.start, num_positions=encoded.count,
+                                    hidden_size=encoded.width, data=encoded.data)
+
+
+def attach_features(propose, features: EncodedFeatures | None, max_message_bytes: int) -> None:
+    """Set ``propose.target_features`` (a DraftPropose) to the newest of ``features`` that fit beside
+    the rest of the proposal in a message of ``max_message_bytes`` (``target_features.FeatureRelay``
+    says why the newest). A payload longer than its header says goes only if it fits: the drafter refuses it."""
+    if features is None:
+        return
+    room = max_message_bytes - propose.ByteSize() - FEATURES_FIELD_OVERHEAD
+    features = features.tail(room // max(features.row_bytes, 1))
+    if len(features) and features.wire_bytes <= room:
+        propose.target_features.CopyFrom(features_to_pb(features))
+
+
+def encoded_features_from_pb(pb: types_pb2.TargetFeatures) -> EncodedFeatures | None:
+    """The features in ``pb`` as sent, not decoded (None when it carries none): what a relay passes on."""
+    if pb.num_positions == 0 and not pb.data:
+        return None
+    return EncodedFeatures(int(pb.start_position), int(pb.num_positions), int(pb.hidden_size), pb.data)
 
 
 def features_from_pb(pb: types_pb2.TargetFeatures, field: str, hidden_size: int | None = None) -> TargetFeatures | None:
     """The features in ``pb`` (None when it carries none); ``ValueError`` naming ``field`` unless the
     bytes match the stated shape, the width is ``hidden_size`` (when given) and every value is finite."""
-    if pb.num_positions == 0 and not pb.data:
-        return None
-    n, width = int(pb.num_positions), int(pb.hidden_size)
-    if width == 0 or (hidden_size is not None and width != hidden_size):
-        raise ValueError(f"{field}.hidden_size: {width}, expected {hidden_size}")
-    if len(pb.data) != n * width * WIRE_DTYPE.itemsize:
-        raise ValueError(f"{field}.data: {len(pb.data)} bytes, expected {n * width * WIRE_DTYPE.itemsize} "
-                         f"(float16 [{n}, {width}])")
-    values = torch.frombuffer(bytearray(pb.data), dtype=WIRE_DTYPE).view(n, width)
-    if not bool(torch.isfinite(values).all()):
-        raise ValueError(f"{field}.data: not finite")
-    return TargetFeatures(int(pb.start_position), values)
+    encoded = encoded_features_from_pb(pb)
+    return encoded.decode(field, hidden_size) if encoded is not None else None
 
 
 def verdict_fields(verdict: Verdict) -> dict:
@@ -137,7 +151,8 @@ def verdict_from_pb(pb) -> Verdict:
         tokens=[int(t) for t in pb.token_ids],
         committed_length=int(pb.committed_length),
         batch=batch,
-        features=features_from_pb(pb.features, "features") if pb.HasField("features") else None,
+        # Relayed as received (the gateway never reads them; the drafter validates them).
+        features=encoded_features_from_pb(pb.features) if pb.HasField("features") else None,
     )
 
 
