@@ -25,7 +25,7 @@ import grpc
 
 from specdec.completion import Chunk
 from specdec.rpc.server import error_message, status_for
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, is_utf8
 
 from gateway.generation import Finished, GenerationRequest
 
@@ -34,7 +34,6 @@ COMPLETION = "completion"
 # OpenAI's defaults where they differ from the gRPC API's (which is greedy unless told otherwise).
 DEFAULT_TEMPERATURE = 1.0
 SEED_RANGE = (-(2**63), 2**64)  # negative seeds wrap around to the unsigned 64-bit seed the services use
-ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for system messages
 SPECULATION_FIELDS = ("method", "num_draft_tokens", "draft_ahead")
 
 # Fields specdec does not implement, refused unless they hold the value that turns them off (so
@@ -101,9 +100,25 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class DeadlineExceeded(ApiError):
+    """The request's deadline passed: 504, as DEADLINE_EXCEEDED on the request path."""
+
+    def __init__(self, message: str) -> None:
+        status, kind, code = HTTP_ERRORS[grpc.StatusCode.DEADLINE_EXCEEDED]
+        super().__init__(status, message, kind, code=code)
+
+
 def invalid(param: str, reason: str) -> ApiError:
     """400 naming ``param``."""
     return ApiError(400, f"{param}: {reason}", param=param)
+
+
+def _shown(value) -> str:
+    """A client's value in an error message: short, and safe for any value (an array nested a
+    thousand deep is not serialized again)."""
+    if isinstance(value, (list, dict)):
+        return "an array" if isinstance(value, list) else "an object"
+    return json.dumps(value)[:40]
 
 
 @dataclass
@@ -124,43 +139,53 @@ def response_id(kind: str) -> str:
 
 
 # -- requests ------------------------------------------------------------------------------------
-def _integer(body: dict, name: str) -> int | None:
-    value = body.get(name)
+def _integer(value, param: str) -> int | None:
     if value is not None and type(value) is not int:  # bool is an int to Python, not to JSON
-        raise invalid(name, f"must be an integer, not {json.dumps(value)[:40]}")
+        raise invalid(param, f"must be an integer, not {_shown(value)}")
     return value
 
 
-def _number(body: dict, name: str) -> float | None:
-    value = body.get(name)
+def _number(value, param: str) -> float | None:
     if value is None:
         return None
-    if type(value) not in (int, float) or not math.isfinite(value):
-        raise invalid(name, f"must be a finite number, not {json.dumps(value)[:40]}")
-    return float(value)
+    if type(value) not in (int, float):
+        raise invalid(param, f"must be a finite number, not {_shown(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past any float
+        number = math.inf
+    if not math.isfinite(number):
+        raise invalid(param, "must be a finite number")
+    return number
 
 
-def _boolean(body: dict, name: str) -> bool | None:
-    value = body.get(name)
+def _boolean(value, param: str) -> bool | None:
     if value is not None and type(value) is not bool:
-        raise invalid(name, "must be true or false")
+        raise invalid(param, "must be true or false")
     return value
 
 
-def _strings(body: dict, name: str) -> tuple[str, ...]:
-    value = body.get(name)
+def _text(value: str, param: str) -> str:
+    """A string carried into the request: JSON's escapes can write a lone surrogate, which is not
+    Unicode text (no tokenizer, nor protobuf, takes it)."""
+    if not is_utf8(value):
+        raise invalid(param, "not valid Unicode (a lone surrogate)")
+    return value
+
+
+def _strings(value, param: str) -> tuple[str, ...]:
     if value is None:
         return ()
     if isinstance(value, str):
-        return (value,)
+        value = [value]
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise invalid(name, "must be a string or an array of strings")
-    return tuple(value)
+        raise invalid(param, "must be a string or an array of strings")
+    return tuple(_text(s, param) for s in value)
 
 
-def _token_ids(value, name: str) -> list[int]:
+def _token_ids(value, param: str) -> list[int]:
     if not isinstance(value, list) or not all(type(t) is int for t in value):
-        raise invalid(name, "must be an array of integer token ids")
+        raise invalid(param, "must be an array of integer token ids")
     return value
 
 
@@ -169,14 +194,14 @@ def _content(value, where: str) -> str:
     if value is None:
         return ""
     if isinstance(value, str):
-        return value
+        return _text(value, f"{where}.content")
     if not isinstance(value, list):
         raise invalid(f"{where}.content", "must be a string or an array of content parts")
     texts = []
     for j, part in enumerate(value):
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise invalid(f"{where}.content[{j}]", 'only text parts ({"type": "text", "text": ...}) are supported')
-        texts.append(part["text"])
+        texts.append(_text(part["text"], f"{where}.content[{j}].text"))
     return "\n".join(texts)
 
 
@@ -192,10 +217,11 @@ def _messages(body: dict) -> list[tuple[str, str]]:
         role = message.get("role")
         if not isinstance(role, str):
             raise invalid(f"{where}.role", "required: a string")
+        _text(role, f"{where}.role")
         if message.get("tool_calls") or message.get("function_call"):
             raise invalid(f"{where}.tool_calls", "tool calling is not supported")
         # The role itself is checked by the request path (one list of roles for both APIs).
-        messages.append((ROLE_ALIASES.get(role, role), _content(message.get("content"), where)))
+        messages.append((role, _content(message.get("content"), where)))  # developer: the request path maps it
     return messages
 
 
@@ -207,7 +233,7 @@ def _prompt(body: dict) -> dict:
     if isinstance(value, str):
         if not value:
             raise invalid("prompt", "must not be empty")
-        return {"prompt": value}
+        return {"prompt": _text(value, "prompt")}
     if isinstance(value, list) and value and all(type(t) is int for t in value):
         return {"prompt_token_ids": value}
     if isinstance(value, list) and len(value) > 1:
@@ -227,8 +253,9 @@ def _speculation(body: dict) -> dict:
     method = value.get("method")
     if method is not None and not isinstance(method, str):
         raise invalid("speculation.method", "must be a string")
-    return {"method": method or "", "num_draft_tokens": _integer(value, "num_draft_tokens") or 0,
-            "draft_ahead": _boolean(value, "draft_ahead")}
+    return {"method": _text(method or "", "speculation.method"),
+            "num_draft_tokens": _integer(value.get("num_draft_tokens"), "speculation.num_draft_tokens") or 0,
+            "draft_ahead": _boolean(value.get("draft_ahead"), "speculation.draft_ahead")}
 
 
 def parse_request(body, kind: str, model_name: str, request_id: str) -> ApiRequest:
@@ -238,6 +265,8 @@ def parse_request(body, kind: str, model_name: str, request_id: str) -> ApiReque
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise invalid("model", f"must be a string, not {_shown(model)}")
     if model is not None and model != model_name:
         raise ApiError(404, f"model {json.dumps(model)[:200]} is not served here; this gateway serves "
                             f"{json.dumps(model_name)} (GET /v1/models)", param="model", code="model_not_found")
@@ -250,13 +279,13 @@ def parse_request(body, kind: str, model_name: str, request_id: str) -> ApiReque
     max_tokens_name = "max_completion_tokens" if kind == CHAT and body.get("max_completion_tokens") is not None \
         else "max_tokens"
     names["sampling.max_new_tokens"] = max_tokens_name
-    max_tokens = _integer(body, max_tokens_name)
+    max_tokens = _integer(body.get(max_tokens_name), max_tokens_name)
     if max_tokens is not None and max_tokens < 1:
         raise invalid(max_tokens_name, "must be >= 1")
-    temperature = _number(body, "temperature")
-    top_p = _number(body, "top_p")
-    top_k = _integer(body, "top_k")
-    seed = _integer(body, "seed")
+    temperature = _number(body.get("temperature"), "temperature")
+    top_p = _number(body.get("top_p"), "top_p")
+    top_k = _integer(body.get("top_k"), "top_k")
+    seed = _integer(body.get("seed"), "seed")
     if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
         raise invalid("seed", "must fit in 64 bits")
     stop_token_ids = body.get("stop_token_ids")
@@ -266,18 +295,19 @@ def parse_request(body, kind: str, model_name: str, request_id: str) -> ApiReque
         top_p=1.0 if top_p is None else top_p,
         top_k=0 if top_k is None or top_k == -1 else top_k,  # -1: off, as in vLLM
         seed=None if seed is None else seed % 2**64,
-        stop=_strings(body, "stop"),
+        stop=_strings(body.get("stop"), "stop"),
         stop_token_ids=tuple(_token_ids(stop_token_ids, "stop_token_ids")) if stop_token_ids is not None else (),
-        ignore_eos=bool(_boolean(body, "ignore_eos")),
+        ignore_eos=bool(_boolean(body.get("ignore_eos"), "ignore_eos")),
     )
-    stream = bool(_boolean(body, "stream"))
+    stream = bool(_boolean(body.get("stream"), "stream"))
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise invalid("stream_options", "must be an object")
-    include_usage = bool(_boolean(options, "include_usage")) if stream and options else False
+    include_usage = bool(_boolean(options.get("include_usage"), "stream_options.include_usage")) \
+        if stream and options else False
     generation = GenerationRequest(request_id=request_id, sampling=sampling, **inputs, **_speculation(body))
     return ApiRequest(kind, generation, stream=stream, include_usage=include_usage,
-                      return_token_ids=bool(_boolean(body, "return_token_ids")), names=names)
+                      return_token_ids=bool(_boolean(body.get("return_token_ids"), "return_token_ids")), names=names)
 
 
 # -- errors --------------------------------------------------------------------------------------

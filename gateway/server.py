@@ -14,6 +14,7 @@ from specdec.v1 import drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier
 
 from gateway.generation import Finished, GatewayCore, GatewayLimits, GenerationRequest, LinkOptions, new_request_id
 from gateway.http import HttpFront
+from gateway.http_limits import HttpLimits
 from gateway.pools import BackendPool
 from gateway.requests import UndecodableRequest, add_gateway_service
 
@@ -101,8 +102,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 async def serve(target: str, verifier_addresses: list[str], drafter_addresses: list[str],
                 options: ServeOptions, limits: GatewayLimits, discover_verifiers: str | None = None,
                 discover_drafters: str | None = None, namespace: str | None = None,
-                link_options: LinkOptions | None = None, http_port: int | None = None) -> None:
-    """``http_port``: serve the OpenAI-compatible HTTP API there too (None: gRPC only)."""
+                link_options: LinkOptions | None = None, http_port: int | None = None,
+                http_limits: HttpLimits | None = None) -> None:
+    """``http_port``: serve the OpenAI-compatible HTTP API there too (None: gRPC only), within
+    ``http_limits`` (None: their defaults)."""
     if not verifier_addresses and not discover_verifiers:
         raise SystemExit("the gateway needs --verifier addresses or --discover-verifiers SERVICE")
     runtime = ServiceRuntime(SERVICE_NAME, options)
@@ -136,7 +139,7 @@ async def serve(target: str, verifier_addresses: list[str], drafter_addresses: l
     port = await runtime.start()
     http_front = None
     if http_port is not None:
-        http_front = HttpFront(core, options)
+        http_front = HttpFront(core, options, http_limits)
         bound = await http_front.start(options.host, http_port)
     runtime.install_signal_handlers()
     http_note = f"; OpenAI-compatible HTTP API on http{'s' if http_front and http_front.tls else ''}://" \

@@ -148,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--http-port", type=optional_port, default=None,
                          help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                               "/v1/models, /health) on this port (off unless set; 'off' or 0: none)")
+    from gateway.http_limits import add_http_limit_arguments
+    add_http_limit_arguments(gateway)
     _add_serve_flags(gateway, 50051)
 
     up = sub.add_parser("up", help="start drafter, verifier and gateway locally, supervised")
@@ -401,8 +403,10 @@ def _serve(args) -> int:
                      max_sessions_per_peer=_sessions_per_peer(args), replay_file=args.replay_file,
                      target=args.target)
     else:
+        from gateway.http_limits import http_limits_from_args
         from gateway.server import GatewayLimits, LinkOptions, serve
 
+        http_limits = http_limits_from_args(args)
         limits = GatewayLimits(
             max_sessions=args.max_sessions,
             max_prompt_tokens=args.max_prompt_tokens,
@@ -415,7 +419,7 @@ def _serve(args) -> int:
                      discover_verifiers=args.discover_verifiers, discover_drafters=args.discover_drafters,
                      namespace=args.namespace,
                      link_options=LinkOptions(draft_ahead=args.draft_ahead, net_delay_s=args.net_delay_ms / 1000),
-                     http_port=args.http_port or None)
+                     http_port=args.http_port or None, http_limits=http_limits)
     from specdec import telemetry
 
     telemetry.setup(f"specdec-{args.role}", endpoint=args.otlp_endpoint, detail=args.trace_detail)

@@ -429,8 +429,9 @@ def test_gateway_field_names_become_the_request_s():
                                                           "max_completion_tokens: 9 exceeds the limit of 8")
     error = openai_api.error_for(ValueError("messages[3].role must be one of system"), api.names)
     assert error.param == "messages[3].role"
+    # The role passes through as given: the request path maps it, for both fronts (gateway.generation.ROLE_ALIASES).
     assert openai_api.parse_request({"messages": [{"role": "developer", "content": "x"}]}, openai_api.CHAT, "m",
-                                    "id").generation.messages == [("system", "x")]
+                                    "id").generation.messages == [("developer", "x")]
 
 
 def test_up_leaves_the_http_api_off_when_port_8000_is_taken():
