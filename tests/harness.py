@@ -55,6 +55,14 @@ class Service:
             time.sleep(0.1)
         raise TimeoutError(f"{self.name} not SERVING after {timeout}s:\n{self.log()}")
 
+    def wait_listening(self, timeout: float = 60.0) -> None:
+        """Until its health service answers at all (SERVING or not: a gateway with no ready verifier)."""
+        deadline = time.monotonic() + timeout
+        while health_status(self.address) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} not listening after {timeout}s:\n{self.log()}")
+            time.sleep(0.2)
+
     def stop(self, timeout: float = 40.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -84,9 +84,7 @@ def test_a_warming_verifier_receives_no_request_before_it_reports_serving(tiny_p
     gateway = start_service("gateway", ["--target", str(tiny_pair[1]), "--verifier", f"127.0.0.1:{port}",
                                         "--verifier-wait", "60"], tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while health_status(gateway.address) is None and time.monotonic() < deadline:
-            time.sleep(0.2)
+        gateway.wait_listening()
         # The model is loaded: GetInfo answers, health says NOT_SERVING (warming up).
         assert verifier.lm is not None
         assert health_status(f"127.0.0.1:{port}", SERVICE_NAME) == health_pb2.HealthCheckResponse.NOT_SERVING

@@ -143,15 +143,13 @@ def test_a_verifier_killed_mid_stream_is_waited_for_and_every_request_is_served_
 
 def test_without_a_verifier_a_request_waits_then_fails_unavailable(tiny_pair, tmp_path):
     """Past --verifier-wait (or its deadline, if shorter) a request with no ready verifier fails."""
-    from tests.harness import free_port, health_status, start_service
+    from tests.harness import free_port, start_service
 
     gateway = start_service("gateway", ["--target", str(tiny_pair[1]), "--verifier", f"127.0.0.1:{free_port()}",
                                         "--verifier-wait", "1.5"], tmp_path)
     try:
         # It listens (health answers NOT_SERVING: no verifier is ready).
-        deadline = time.monotonic() + 60
-        while health_status(gateway.address) is None and time.monotonic() < deadline:
-            time.sleep(0.2)
+        gateway.wait_listening()
         with GatewayClient(gateway.address, timeout=30) as client:
             sent = time.monotonic()
             with pytest.raises(grpc.RpcError) as info:
