@@ -29,7 +29,8 @@ from specdec.rpc.server import NotReady, Overloaded, ServiceRuntime
 from specdec.sampling import SamplingParams, is_utf8, with_random_seed
 from specdec.telemetry.logs import printable
 
-from gateway.links import MigratingVerifier, RemoteDrafter
+from gateway.links import RemoteDrafter
+from gateway.migration import MigratingVerifier
 from gateway.pools import BackendPool
 
 log = logging.getLogger("specdec.gateway")
@@ -354,7 +355,8 @@ class GatewayCore:
                 remote_drafter = RemoteDrafter(drafter_backend.stub, drafter_session, prompt_ids, params,
                                                time_remaining, metadata, net_delay_s=links.net_delay_s,
                                                request_id=request_id, reads_features=feature_size > 0,
-                                               max_message_bytes=self.drafters.max_message_bytes)
+                                               max_message_bytes=self.drafters.max_message_bytes,
+                                               vocab_size=self.vocab_size)
                 if policy.expects_to_draft():
                     # The drafter's prefill overlaps the verifier's. When plain decoding is expected to
                     # win (what this draft pair measured before), the session opens at the first

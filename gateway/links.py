@@ -16,8 +16,9 @@ from collections.abc import Callable
 import grpc
 from google.protobuf.message import DecodeError
 
+from specdec.models import MAX_VOCAB_PADDING
 from specdec.rpc import convert
-from specdec.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, REQUEST_STATUSES
+from specdec.rpc.server import DEFAULT_MAX_MESSAGE_BYTES
 from specdec.sampling import DraftProposal, SamplingParams
 from specdec.target_features import EncodedFeatures, FeatureRelay, TargetFeatures
 from specdec.telemetry.logs import printable
@@ -101,12 +102,22 @@ async def _close(call, reader: asyncio.Task | None = None) -> None:
             call.cancel()
 
 
-def _proposal(message) -> DraftProposal:
-    """A drafter's proposal message; one that parses but makes no sense is the drafter's failure."""
+def _proposal(message, max_tokens: int, vocab_size: int | None) -> DraftProposal:
+    """A drafter's proposal message, checked as the verifier will check it (at most the drafts
+    asked for, ids in the vocabulary, each q well formed): one that fails is the drafter's failure
+    (the request goes on without drafts), never a verifier's refusal passed on to the client.
+    ``vocab_size`` None: ids are not checked (a link driven without a tokenizer)."""
+    support_bound = None if vocab_size is None else vocab_size + MAX_VOCAB_PADDING
     try:
-        return convert.proposal_from_pb(message)
+        proposal = convert.proposal_from_pb(message, support_bound=support_bound)
     except (ValueError, TypeError) as exc:
         raise StreamLost(f"drafter sent a malformed proposal ({describe(exc)})") from exc
+    if len(proposal) > max_tokens:
+        raise StreamLost(f"drafter proposed {len(proposal)} tokens where {max_tokens} were asked for")
+    bad = None if vocab_size is None else next((t for t in proposal.draft_tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise StreamLost(f"drafter proposed id {bad}, outside the vocabulary (size {vocab_size})")
+    return proposal
 
 
 class RemoteVerifier:
@@ -172,7 +183,7 @@ class RemoteDrafter:
     def __init__(self, stub, session_id: str, prompt_ids: list[int], params: SamplingParams,
                  time_remaining: Callable[[], float | None], metadata=None, draft_top_k: int = 0,
                  net_delay_s: float = 0.0, request_id: str = "", reads_features: bool = False,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, vocab_size: int | None = None) -> None:
         # The stream opens in begin(): a session that never drafts costs the drafter nothing, and
         # one opened late gets the deadline's remaining time then.
         self._stub = stub
@@ -181,7 +192,7 @@ class RemoteDrafter:
         self.call = None
         self.net_delay_s = net_delay_s
         self.session_id = session_id
-        self.request_id = request_id or session_id  # for the logs: the client's id
+        self.request_id = printable(request_id or session_id)  # for the logs: the client's id, escaped
         self.prompt_ids = prompt_ids
         self.params = params
         self.draft_top_k = draft_top_k
@@ -192,6 +203,8 @@ class RemoteDrafter:
         self._reader: asyncio.Task | None = None
         self._inbox: asyncio.Queue = asyncio.Queue()  # (release time, message or exception)
         self._ahead_owed = False  # a DraftAhead message is on its way
+        self._ahead_tokens = 0  # the size of the block asked to be drafted ahead
+        self.vocab_size = vocab_size  # the proposals' ids are checked against it (None: not checked)
         self._continue_write: asyncio.Task | None = None
         # A feature-level drafter (EAGLE): verdicts' target features wait here for the next proposal,
         # the newest of them only, never more than one message holds (``FeatureRelay``).
@@ -313,8 +326,8 @@ class RemoteDrafter:
             if response.WhichOneof("kind") != "proposal":
                 raise StreamLost("drafter: expected a DraftProposal message")
             self.service_s += response.proposal.service_time_us * 1e-6
-            self._ahead_owed = ahead_tokens > 0
-            return _proposal(response.proposal)
+            self._ahead_owed, self._ahead_tokens = ahead_tokens > 0, ahead_tokens
+            return _proposal(response.proposal, num_draft_tokens, self.vocab_size)
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - only the request's own cancel escapes
             self._lost(exc)
             return DraftProposal()
@@ -337,7 +350,7 @@ class RemoteDrafter:
                     raise StreamLost("drafter: expected a DraftAhead message")
                 self.service_s += response.ahead.proposal.service_time_us * 1e-6
                 assumed = [int(t) for t in response.ahead.assumed_token_ids]
-                return (assumed, _proposal(response.ahead.proposal)) if assumed else None
+                return (assumed, _proposal(response.ahead.proposal, self._ahead_tokens, self.vocab_size)) if assumed else None
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - see _lost
             self._lost(exc)
             return None
@@ -356,7 +369,7 @@ class RemoteDrafter:
         convert.attach_features(propose, features, self.max_message_bytes)
         self._continue_write = asyncio.ensure_future(
             _write(self.call, drafter_pb2.DraftRequest(propose=propose), self.net_delay_s))
-        self._ahead_owed = True
+        self._ahead_owed, self._ahead_tokens = True, ahead_tokens
 
     async def close(self) -> None:
         """Let the drafter finish what it owes (a block drafted ahead) and end the session normally;
@@ -374,117 +387,3 @@ class RemoteDrafter:
         if self.broken is not None and not self.call.done():
             self.call.cancel()
         await _close(self.call, self._reader)
-
-
-class VerifierUnavailable(StreamLost):
-    """The verifier's stream broke and no other replica could take the session over."""
-
-
-class MigratingVerifier:
-    """``VerifierLink`` that survives the loss of its verifier.
-
-    It tracks the committed text (prompt + tokens so far). When the stream breaks (any lost stream,
-    see the module's docstring, or a status that is not about the request: anything outside
-    ``REQUEST_STATUSES``, a refused service credential included), it opens a session on another
-    ready replica, or, while none is ready, waits for one (a restart, a rollout) up to ``wait_s()``
-    (the gateway's ``--verifier-wait`` within the request's deadline); the new session's prompt is
-    that committed text, and its prefill yields the next token, exactly the token plain decoding
-    would produce there (random draws are keyed by absolute position, so sampling continues
-    identically distributed). The round whose drafts were in flight counts as fully rejected. A
-    replica whose stream failed is taken again only once it has become ready again since (a
-    restart at the same address). With none ready in time, ``VerifierUnavailable`` (the client gets
-    UNAVAILABLE after the tokens already streamed). Other statuses (DEADLINE_EXCEEDED,
-    RESOURCE_EXHAUSTED, INVALID_ARGUMENT, ...) pass on, and so does any error that is not the
-    stream's (a request's bad value).
-    """
-
-    def __init__(self, pool, backend, session_id: str, prompt_ids: list[int], params: SamplingParams,
-                 remaining_s, metadata=None, net_delay_s: float = 0.0, request_id: str = "",
-                 want_features: bool = False, wait_s: Callable[[], float] = lambda: 0.0) -> None:
-        self.pool = pool
-        self.want_features = want_features  # every replica's session streams the target's features
-        self.net_delay_s = net_delay_s
-        self.session_id = session_id
-        self.request_id = printable(request_id or session_id)  # for the logs: the client's id
-        self.params = params
-        self.remaining_s = remaining_s  # callable: the client's remaining deadline, or None
-        self.wait_s = wait_s  # callable: how long to wait for a ready replica now
-        self.metadata = metadata
-        self.committed: list[int] = list(prompt_ids)
-        self.migrations = 0
-        self.link = self._open(backend, self.committed)
-        self.backend = backend
-
-    def _open(self, backend, prompt_ids: list[int]) -> RemoteVerifier:
-        link = RemoteVerifier(backend.stub, self.session_id, list(prompt_ids), self.params,
-                              self.remaining_s(), self.metadata, self.net_delay_s, self.want_features)
-        backend.in_flight += 1  # once the link exists: close() lowers it again
-        return link
-
-    async def _replace(self, error: BaseException, failed: dict[str, int]) -> None:
-        """Move the session to another ready replica (waiting for one if none is), or raise
-        ``VerifierUnavailable``."""
-        lost = self.backend
-        failed[lost.address] = lost.ready_epoch
-        self.pool.mark_failed(lost)
-        self.link.call.cancel()
-        replacement = self.pool.pick(failed=failed)
-        if replacement is None:
-            wait_s = self.wait_s()
-            log.warning("verifier %s failed for request %s (verifier session %s): %s; no other replica is ready, "
-                        "waiting up to %.0f s for one", lost.address, self.request_id, self.session_id,
-                        describe(error), wait_s)
-            replacement = await self.pool.wait_pick(wait_s, failed=failed)
-            if replacement is None:
-                raise VerifierUnavailable(f"verifier {lost.address} failed mid-request ({describe(error)}) "
-                                          f"and no verifier replica was ready within {wait_s:.0f} s") from error
-        log.warning("verifier %s failed for request %s (verifier session %s): %s; re-prefilling %d tokens on %s",
-                    lost.address, self.request_id, self.session_id, describe(error), len(self.committed),
-                    replacement.address)
-        self.link = self._open(replacement, self.committed)
-        lost.in_flight -= 1
-        self.backend = replacement
-        self.migrations += 1
-
-    async def _guarded(self, operation) -> Verdict:
-        failed: dict[str, int] = {}
-        while True:
-            try:
-                return await operation()
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() in REQUEST_STATUSES:
-                    raise
-                error: BaseException = exc
-            except asyncio.CancelledError:
-                if own_cancel():
-                    raise
-                error = StreamLost("verifier stream cancelled")
-            except STREAM_FAILURES as exc:
-                error = exc
-            await self._replace(error, failed)
-            operation = self.link.prefill  # the new session's prefill yields the next token
-
-    async def prefill(self) -> Verdict:
-        verdict = await self._guarded(self.link.prefill)
-        self.committed.extend(verdict.tokens)
-        return verdict
-
-    async def verify(self, proposal: DraftProposal) -> Verdict:
-        link = self.link
-        verdict = await self._guarded(lambda: link.verify(proposal))
-        if self.link is not link:  # migrated mid-round: the drafts in flight count as rejected
-            verdict = Verdict(len(proposal), 0, verdict.tokens, verdict.committed_length, features=verdict.features)
-        self.committed.extend(verdict.tokens)
-        return verdict
-
-    @property
-    def service_s(self) -> float:
-        return getattr(self.link, "service_s", 0.0)
-
-    @property
-    def prefill_service_s(self) -> float:
-        return getattr(self.link, "prefill_service_s", 0.0)
-
-    async def close(self) -> None:
-        self.backend.in_flight -= 1
-        await self.link.close()

@@ -9,6 +9,7 @@ that answers ``GetInfo`` while still warming up, or while draining, is not picke
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -33,8 +34,9 @@ class Backend:
     in_flight: int = 0  # this gateway's open sessions on it
     info: object = None  # the last GetInfo answer while ready; None = not ready
     known_method: str | None = None  # the draft method it reported last (kept while it is not ready)
-    # Counts the times it became ready: a session that failed on it may come back to it only after
-    # it became ready again (a restart at the same address), never on the strength of an old answer.
+    # When it last became ready, from one counter per pool: a session that failed on a replica takes
+    # that address again only once it became ready since (a restart at the same address, even as a
+    # new Backend after discovery dropped and re-added it), never on the strength of an old answer.
     ready_epoch: int = 0
     not_serving_logged: bool = False
     reported_active: int = 0  # sessions it reported at the last refresh (all gateways)
@@ -63,6 +65,7 @@ class BackendPool:
         self.role = role
         self.service_name = SERVICE_NAMES[role]
         self._refreshed = asyncio.Condition()  # notified after every refresh (waiters re-pick)
+        self._epochs = itertools.count(1)  # Backend.ready_epoch
         self.tls = tls
         self.service_token = service_token  # presented on every call (open_channel adds it)
         self.server_name: str | None = None  # the TLS name discovered pods' certificates carry
@@ -124,7 +127,7 @@ class BackendPool:
                 return
             backend.known_method = getattr(info, "method", None)
             if backend.info is None:
-                backend.ready_epoch += 1
+                backend.ready_epoch = next(self._epochs)
                 log.info("%s %s ready (%s)", self.role, backend.address,
                          printable(info.model.model or getattr(info, "method", "")))
             backend.info = info

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-WIRE_DTYPE = torch.bfloat16  # what travels (the proto's TargetFeatures.data): 2 bytes per value
+WIRE_DTYPE = torch.bfloat16  # what travels (the proto's TargetFeatures.bf16_data): 2 bytes per value
 _WIRE_BITS = np.dtype("<u2")  # the same 2 bytes as numpy sees them (numpy has no bfloat16): little-endian
 
 
@@ -100,12 +100,12 @@ class EncodedFeatures:
         if self.width == 0 or (width is not None and self.width != width):
             raise ValueError(f"{field}.hidden_size: {self.width}, expected {width}")
         if len(self.data) != self.count * self.row_bytes:
-            raise ValueError(f"{field}.data: {len(self.data)} bytes, expected {self.count * self.row_bytes} "
+            raise ValueError(f"{field}.bf16_data: {len(self.data)} bytes, expected {self.count * self.row_bytes} "
                              f"(bfloat16 [{self.count}, {self.width}])")
         bits = np.frombuffer(self.data, dtype=_WIRE_BITS).astype(np.uint16).view(np.int16)  # a native copy
         values = torch.from_numpy(bits).view(WIRE_DTYPE).view(self.count, self.width)
         if not bool(torch.isfinite(values).all()):
-            raise ValueError(f"{field}.data: not finite")
+            raise ValueError(f"{field}.bf16_data: not finite")
         return TargetFeatures(self.start, values)
 
 

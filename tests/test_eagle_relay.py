@@ -228,7 +228,7 @@ class MalformingVerifier(verifier_pb2_grpc.VerifierServicer):
 
         for index, response in enumerate(self.stub.Verify(requests(), timeout=context.time_remaining())):
             if marked and marked[0] and index == 1 and response.HasField("features"):
-                response.features.data = b"\xc0\x7f" * (len(response.features.data) // 2)  # bf16 NaN
+                response.features.bf16_data = b"\xc0\x7f" * (len(response.features.bf16_data) // 2)  # bf16 NaN
             yield response
 
     def GetInfo(self, request, context):
@@ -309,7 +309,7 @@ def test_a_malformed_feature_payload_ends_the_requests_drafting_not_the_verifier
     assert marked.stats["draft_tokens"] == 3  # round 1's drafts only: the features after it were refused
     assert after.stats["draft_tokens"] > 3
     log = gateway.log()
-    assert "drafter failed" in log and "target_features.data: not finite" in log
+    assert "drafter failed" in log and "target_features.bf16_data: not finite" in log
     assert not re.search(r"verifier \S+ failed", log)
 
 

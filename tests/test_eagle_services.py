@@ -125,16 +125,16 @@ def test_a_windowed_prefill_sends_the_prompt_tail_and_the_head_drafts_from_it(ti
 def test_features_round_trip_the_wire_and_bad_ones_name_their_field():
     values = torch.randn(3, 8).to(torch.bfloat16)
     pb = convert.features_to_pb(TargetFeatures(5, values))
-    assert len(pb.data) == 3 * 8 * 2
+    assert len(pb.bf16_data) == 3 * 8 * 2
     back = convert.features_from_pb(pb, "features", hidden_size=8)
     assert back.start == 5 and torch.equal(back.values, values)
     with pytest.raises(ValueError, match="features.hidden_size"):
         convert.features_from_pb(pb, "features", hidden_size=16)
-    pb.data = pb.data[:-2]
-    with pytest.raises(ValueError, match="features.data"):
+    pb.bf16_data = pb.bf16_data[:-2]
+    with pytest.raises(ValueError, match="features.bf16_data"):
         convert.features_from_pb(pb, "features")
-    pb.data = torch.full((3, 8), float("nan"), dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
-    with pytest.raises(ValueError, match="features.data: not finite"):
+    pb.bf16_data = torch.full((3, 8), float("nan"), dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
+    with pytest.raises(ValueError, match="features.bf16_data: not finite"):
         convert.features_from_pb(pb, "features")
     with pytest.raises(ValueError, match="target_features"):  # a token-level drafter refuses features
         NgramDrafter().start([1, 2, 3], SamplingParams()).add_features(TargetFeatures(0, values))

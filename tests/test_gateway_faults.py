@@ -24,7 +24,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gateway.links import MigratingVerifier, RemoteDrafter, VerifierUnavailable
+from gateway.links import RemoteDrafter
+from gateway.migration import MigratingVerifier, VerifierUnavailable
 from gateway.requests import bad_utf8_field
 from gateway.pools import BackendPool
 from specdec.client import ChunkEvent, FinalEvent, GatewayClient, build_request
@@ -277,6 +278,99 @@ def test_verifier_stream_ended_mid_request_migrates_or_is_unavailable(two_verifi
         assert isinstance(outcome, VerifierUnavailable), outcome
         assert status_for(outcome) == grpc.StatusCode.UNAVAILABLE
         assert "no verifier replica was ready within 0 s" in str(outcome)
+
+
+def test_a_replica_dropped_and_readded_by_discovery_is_taken_again_after_a_failure(two_verifiers):
+    """A verifier restarted in place (same pod IP) leaves the EndpointSlice while it is not ready and
+    comes back as a new Backend: a session that failed on the old one takes the new one (its
+    readiness is newer than the failure), instead of waiting out --verifier-wait."""
+    address = two_verifiers[0].address
+
+    async def go():
+        pool = BackendPool("verifier", verifier_pb2_grpc.VerifierStub, DEFAULT_MAX_MESSAGE_BYTES)
+        pool.set_addresses([address])
+        await pool.refresh()
+        old = pool.backends[0]
+        old.in_flight = 1  # a session still open on it: discovery keeps it, marked removed
+        failed = {address: old.ready_epoch}
+        pool.mark_failed(old)
+        pool.set_addresses([])  # not ready: out of the slice
+        pool.set_addresses([address])  # serving again: back in it, as a new Backend
+        await pool.refresh()
+        picked = pool.pick(failed=failed)
+        for backend in pool.backends:
+            await backend.channel.close()
+        return old, picked
+
+    old, picked = asyncio.run(go())
+    assert picked is not None and picked is not old and picked.address == address
+
+
+class _FailingVerifyStub:
+    """A verifier stub whose every Verify stream fails at once with INTERNAL (a replica that crashes
+    on this request's text), over a real stub for everything else."""
+
+    def __init__(self, stub) -> None:
+        self.stub = stub
+        self.calls = 0
+
+    def GetInfo(self, *args, **kwargs):
+        return self.stub.GetInfo(*args, **kwargs)
+
+    def Verify(self, *args, **kwargs):
+        self.calls += 1
+        call = self.stub.Verify(*args, **kwargs)
+        call.cancel()  # a read on it raises; the link takes that as the stream lost
+        return call
+
+
+def test_a_request_that_fails_every_verifier_gives_up_after_a_few_moves(two_verifiers):
+    """The replica recovers (a refresh finds it serving) after every failure, but the request's text
+    fails it again: the session moves at most MAX_MIGRATIONS_PER_REPLICA times per replica, then
+    the client gets UNAVAILABLE, instead of cycling through the pool until its deadline."""
+    from gateway.migration import MAX_MIGRATIONS_PER_REPLICA
+
+    async def go():
+        pool = BackendPool("verifier", verifier_pb2_grpc.VerifierStub, DEFAULT_MAX_MESSAGE_BYTES)
+        pool.set_addresses([two_verifiers[0].address])
+        await pool.refresh()
+        backend = pool.backends[0]
+        backend.stub = failing = _FailingVerifyStub(backend.stub)
+
+        async def refresh_often():
+            while True:
+                await asyncio.sleep(0.05)
+                await pool.refresh()
+
+        refresher = asyncio.ensure_future(refresh_often())
+        verifier = MigratingVerifier(pool, backend, "crash-loop", PROMPT_IDS, SamplingParams(max_new_tokens=8),
+                                     lambda: None, request_id="req-crash", wait_s=lambda: 30.0)
+        try:
+            with pytest.raises(VerifierUnavailable) as info:
+                await asyncio.wait_for(verifier.prefill(), 20)
+        finally:
+            refresher.cancel()
+            await verifier.close()
+            await backend.channel.close()
+        return verifier, failing, info.value
+
+    verifier, failing, error = asyncio.run(go())
+    assert verifier.migrations == MAX_MIGRATIONS_PER_REPLICA
+    assert failing.calls == MAX_MIGRATIONS_PER_REPLICA + 1
+    assert f"after {MAX_MIGRATIONS_PER_REPLICA} moves" in str(error)
+
+
+def test_a_drafter_s_proposal_the_verifier_would_refuse_is_the_drafter_s_failure():
+    """More drafts than asked for, or an id past the vocabulary: the verifier would answer the block
+    INVALID_ARGUMENT, which passes on to the client as the request's own error. The gateway checks
+    the proposal as it arrives instead: the drafter's stream is lost (the request goes on at k = 0)."""
+    from gateway.links import StreamLost, _proposal
+
+    assert _proposal(drafter_pb2.DraftProposal(draft_token_ids=[1, 2, 3]), 3, 100).draft_tokens == [1, 2, 3]
+    with pytest.raises(StreamLost, match="3 tokens where 2 were asked for"):
+        _proposal(drafter_pb2.DraftProposal(draft_token_ids=[1, 2, 3]), 2, 100)
+    with pytest.raises(StreamLost, match="id 100, outside the vocabulary"):
+        _proposal(drafter_pb2.DraftProposal(draft_token_ids=[5, 100]), 4, 100)
 
 
 def test_peer_failures_map_to_unavailable_and_bugs_to_internal():

@@ -97,7 +97,7 @@ FEATURES_FIELD_OVERHEAD = 64
 def features_to_pb(features: TargetFeatures | EncodedFeatures) -> types_pb2.TargetFeatures:
     encoded = features.encode() if isinstance(features, TargetFeatures) else features
     return types_pb2.TargetFeatures(start_position=encoded.start, num_positions=encoded.count,
-                                    hidden_size=encoded.width, data=encoded.data)
+                                    hidden_size=encoded.width, bf16_data=encoded.data)
 
 
 def attach_features(propose, features: EncodedFeatures | None, max_message_bytes: int) -> None:
@@ -114,9 +114,9 @@ def attach_features(propose, features: EncodedFeatures | None, max_message_bytes
 
 def encoded_features_from_pb(pb: types_pb2.TargetFeatures) -> EncodedFeatures | None:
     """The features in ``pb`` as sent, not decoded (None when it carries none): what a relay passes on."""
-    if pb.num_positions == 0 and not pb.data:
+    if pb.num_positions == 0 and not pb.bf16_data:
         return None
-    return EncodedFeatures(int(pb.start_position), int(pb.num_positions), int(pb.hidden_size), pb.data)
+    return EncodedFeatures(int(pb.start_position), int(pb.num_positions), int(pb.hidden_size), pb.bf16_data)
 
 
 def features_from_pb(pb: types_pb2.TargetFeatures, field: str, hidden_size: int | None = None) -> TargetFeatures | None:

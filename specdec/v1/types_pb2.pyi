@@ -57,13 +57,13 @@ class LoadReport(_message.Message):
     def __init__(self, active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ...) -> None: ...
 
 class TargetFeatures(_message.Message):
-    __slots__ = ("start_position", "num_positions", "hidden_size", "data")
+    __slots__ = ("start_position", "num_positions", "hidden_size", "bf16_data")
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     NUM_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
-    DATA_FIELD_NUMBER: _ClassVar[int]
+    BF16_DATA_FIELD_NUMBER: _ClassVar[int]
     start_position: int
     num_positions: int
     hidden_size: int
-    data: bytes
-    def __init__(self, start_position: _Optional[int] = ..., num_positions: _Optional[int] = ..., hidden_size: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    bf16_data: bytes
+    def __init__(self, start_position: _Optional[int] = ..., num_positions: _Optional[int] = ..., hidden_size: _Optional[int] = ..., bf16_data: _Optional[bytes] = ...) -> None: ...

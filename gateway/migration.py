@@ -1,0 +1,150 @@
+"""A verifier session that survives the loss of its verifier (``MigratingVerifier``): the
+gateway's side of a ``Verifier.Verify`` stream, moved to another ready replica (or the same one
+restarted) when the stream is lost (``gateway/links.py`` says what counts as lost)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from specdec.rpc.server import REQUEST_STATUSES
+from specdec.sampling import DraftProposal, SamplingParams
+from specdec.telemetry.logs import printable
+from specdec.verification import Verdict
+
+from gateway.links import STREAM_FAILURES, RemoteVerifier, StreamLost, describe, own_cancel
+
+log = logging.getLogger("specdec.gateway")
+
+# A request moves to another verifier at most this many times per replica in the pool.
+MAX_MIGRATIONS_PER_REPLICA = 2
+
+
+class VerifierUnavailable(StreamLost):
+    """The verifier's stream broke and no other replica could take the session over."""
+
+
+class MigratingVerifier:
+    """``VerifierLink`` that survives the loss of its verifier.
+
+    It tracks the committed text (prompt + tokens so far). When the stream breaks (any lost stream,
+    see the module's docstring, or a status that is not about the request: anything outside
+    ``REQUEST_STATUSES``, a refused service credential included), it opens a session on another
+    ready replica, or, while none is ready, waits for one (a restart, a rollout) up to ``wait_s()``
+    (the gateway's ``--verifier-wait`` within the request's deadline); the new session's prompt is
+    that committed text, and its prefill yields the next token, exactly the token plain decoding
+    would produce there (random draws are keyed by absolute position, so sampling continues
+    identically distributed). The round whose drafts were in flight counts as fully rejected. A
+    replica whose stream failed is taken again only once it has become ready again since (a
+    restart at the same address). With none ready in time, ``VerifierUnavailable`` (the client gets
+    UNAVAILABLE after the tokens already streamed). Other statuses (DEADLINE_EXCEEDED,
+    RESOURCE_EXHAUSTED, INVALID_ARGUMENT, ...) pass on, and so does any error that is not the
+    stream's (a request's bad value).
+    """
+
+    def __init__(self, pool, backend, session_id: str, prompt_ids: list[int], params: SamplingParams,
+                 remaining_s, metadata=None, net_delay_s: float = 0.0, request_id: str = "",
+                 want_features: bool = False, wait_s: Callable[[], float] = lambda: 0.0) -> None:
+        self.pool = pool
+        self.want_features = want_features  # every replica's session streams the target's features
+        self.net_delay_s = net_delay_s
+        self.session_id = session_id
+        self.request_id = printable(request_id or session_id)  # for the logs: the client's id
+        self.params = params
+        self.remaining_s = remaining_s  # callable: the client's remaining deadline, or None
+        self.wait_s = wait_s  # callable: how long to wait for a ready replica now
+        self.metadata = metadata
+        self.committed: list[int] = list(prompt_ids)
+        self.migrations = 0
+        # What one request may spend on failed verifiers, so that a request whose text makes every
+        # verifier fail (a crash on this input) cannot cycle through the pool, or through one
+        # restarting replica, for ever: one --verifier-wait of waiting in all, and a few moves.
+        self.max_migrations = MAX_MIGRATIONS_PER_REPLICA * max(1, len(getattr(pool, "backends", ())))
+        self._wait_until: float | None = None  # loop time the waiting budget ends (set at the first wait)
+        self.link = self._open(backend, self.committed)
+        self.backend = backend
+
+    def _open(self, backend, prompt_ids: list[int]) -> RemoteVerifier:
+        link = RemoteVerifier(backend.stub, self.session_id, list(prompt_ids), self.params,
+                              self.remaining_s(), self.metadata, self.net_delay_s, self.want_features)
+        backend.in_flight += 1  # once the link exists: close() lowers it again
+        return link
+
+    async def _replace(self, error: BaseException, failed: dict[str, int]) -> None:
+        """Move the session to another ready replica (waiting for one if none is), or raise
+        ``VerifierUnavailable``."""
+        lost = self.backend
+        failed[lost.address] = lost.ready_epoch
+        self.pool.mark_failed(lost)
+        self.link.call.cancel()
+        if self.migrations >= self.max_migrations:
+            log.warning("verifier %s failed for request %s (verifier session %s): %s; %d moves already, giving up",
+                        lost.address, self.request_id, self.session_id, describe(error), self.migrations)
+            raise VerifierUnavailable(f"verifier {lost.address} failed mid-request ({describe(error)}) after "
+                                      f"{self.migrations} moves to other replicas") from error
+        replacement = self.pool.pick(failed=failed)
+        if replacement is None:
+            loop = asyncio.get_running_loop()
+            if self._wait_until is None:
+                self._wait_until = loop.time() + self.wait_s()
+            wait_s = max(0.0, min(self._wait_until - loop.time(), self.wait_s()))
+            log.warning("verifier %s failed for request %s (verifier session %s): %s; no other replica is ready, "
+                        "waiting up to %.0f s for one", lost.address, self.request_id, self.session_id,
+                        describe(error), wait_s)
+            replacement = await self.pool.wait_pick(wait_s, failed=failed)
+            if replacement is None:
+                raise VerifierUnavailable(f"verifier {lost.address} failed mid-request ({describe(error)}) "
+                                          f"and no verifier replica was ready within {wait_s:.0f} s") from error
+        log.warning("verifier %s failed for request %s (verifier session %s): %s; re-prefilling %d tokens on %s",
+                    lost.address, self.request_id, self.session_id, describe(error), len(self.committed),
+                    replacement.address)
+        self.link = self._open(replacement, self.committed)
+        lost.in_flight -= 1
+        self.backend = replacement
+        self.migrations += 1
+
+    async def _guarded(self, operation) -> Verdict:
+        failed: dict[str, int] = {}
+        while True:
+            try:
+                return await operation()
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in REQUEST_STATUSES:
+                    raise
+                error: BaseException = exc
+            except asyncio.CancelledError:
+                if own_cancel():
+                    raise
+                error = StreamLost("verifier stream cancelled")
+            except STREAM_FAILURES as exc:
+                error = exc
+            await self._replace(error, failed)
+            operation = self.link.prefill  # the new session's prefill yields the next token
+
+    async def prefill(self) -> Verdict:
+        verdict = await self._guarded(self.link.prefill)
+        self.committed.extend(verdict.tokens)
+        return verdict
+
+    async def verify(self, proposal: DraftProposal) -> Verdict:
+        link = self.link
+        verdict = await self._guarded(lambda: link.verify(proposal))
+        if self.link is not link:  # migrated mid-round: the drafts in flight count as rejected
+            verdict = Verdict(len(proposal), 0, verdict.tokens, verdict.committed_length, features=verdict.features)
+        self.committed.extend(verdict.tokens)
+        return verdict
+
+    @property
+    def service_s(self) -> float:
+        return getattr(self.link, "service_s", 0.0)
+
+    @property
+    def prefill_service_s(self) -> float:
+        return getattr(self.link, "prefill_service_s", 0.0)
+
+    async def close(self) -> None:
+        self.backend.in_flight -= 1
+        await self.link.close()
