@@ -62,7 +62,7 @@ class MigratingVerifier:
         # What one request may spend on failed verifiers, so that a request whose text makes every
         # verifier fail (a crash on this input) cannot cycle through the pool, or through one
         # restarting replica, for ever: one --verifier-wait of waiting in all, and a few moves.
-        self.max_migrations = MAX_MIGRATIONS_PER_REPLICA * max(1, len(getattr(pool, "backends", ())))
+        self.max_migrations = MAX_MIGRATIONS_PER_REPLICA * max(1, len(pool.backends))
         self._wait_until: float | None = None  # loop time the waiting budget ends (set at the first wait)
         self.link = self._open(backend, self.committed)
         self.backend = backend
@@ -78,7 +78,7 @@ class MigratingVerifier:
         ``VerifierUnavailable``."""
         lost = self.backend
         failed[lost.address] = lost.ready_epoch
-        self.pool.mark_failed(lost)
+        self.pool.mark_not_ready(lost)
         self.link.call.cancel()
         if self.migrations >= self.max_migrations:
             log.warning("verifier %s failed for request %s (verifier session %s): %s; %d moves already, giving up",

@@ -53,7 +53,9 @@ class Backend:
 _REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
-SERVICE_NAMES = {"verifier": "specdec.v1.Verifier", "drafter": "specdec.v1.Drafter"}
+# The service each role's health is checked for (the name the replicas register themselves under).
+SERVICE_NAMES = {"verifier": verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name,
+                 "drafter": drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name}
 
 
 class BackendPool:
@@ -100,7 +102,7 @@ class BackendPool:
                 health, info = await asyncio.gather(backend.health.Check(health_request, timeout=timeout),
                                                     backend.stub.GetInfo(request, timeout=timeout))
             except grpc.aio.AioRpcError as exc:
-                self.mark_failed(backend)
+                self.mark_not_ready(backend)
                 if exc.code() in _REFUSED and not backend.refusal_logged:
                     # Our service token or certificate is wrong: say so here, not only in its log.
                     log.error("%s %s refuses this gateway (%s: %s); not using it", self.role, backend.address,
@@ -113,7 +115,7 @@ class BackendPool:
                 if not backend.not_serving_logged:
                     log.info("%s %s is not serving yet (warming up or draining)", self.role, backend.address)
                     backend.not_serving_logged = True
-                self.mark_failed(backend)
+                self.mark_not_ready(backend)
                 return
             backend.not_serving_logged = False
             fingerprint = info.model.tokenizer_fingerprint
@@ -123,7 +125,7 @@ class BackendPool:
                               self.role, backend.address, printable(info.model.model))
                     backend.tokenizer_mismatch_logged = True
                 backend.known_method = ""  # it answered, and offers nothing this gateway can use
-                self.mark_failed(backend)
+                self.mark_not_ready(backend)
                 return
             backend.known_method = getattr(info, "method", None)
             if backend.info is None:
@@ -139,9 +141,10 @@ class BackendPool:
             self._refreshed.notify_all()
 
     @staticmethod
-    def mark_failed(backend: Backend) -> None:
-        """Not ready until a refresh finds it serving again (after a failed stream on it, new requests
-        wait for it or take another instead of failing on it in turn)."""
+    def mark_not_ready(backend: Backend) -> None:
+        """Not ready until a refresh finds it serving again: a refresh that found it unreachable,
+        warming up, draining or mismatched, or a stream on it that failed (new requests then wait for
+        it or take another instead of failing on it in turn)."""
         backend.info = None
 
     def offers(self, method: str) -> bool | None:

@@ -293,7 +293,7 @@ def test_a_replica_dropped_and_readded_by_discovery_is_taken_again_after_a_failu
         old = pool.backends[0]
         old.in_flight = 1  # a session still open on it: discovery keeps it, marked removed
         failed = {address: old.ready_epoch}
-        pool.mark_failed(old)
+        pool.mark_not_ready(old)
         pool.set_addresses([])  # not ready: out of the slice
         pool.set_addresses([address])  # serving again: back in it, as a new Backend
         await pool.refresh()

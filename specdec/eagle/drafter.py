@@ -122,7 +122,7 @@ class EagleDrafter(Drafter):
         """The head in ``head_dir`` over ``target``'s embedding and LM head rows (a loaded target, or
         only those tensors: ``target_rows.read_target``), its LM head cut to the ``max_head_tokens``
         most frequent ids (None: all it was trained with)."""
-        tensors = target if isinstance(target, TargetTensors) else TargetTensors.of(target)
+        tensors = TargetTensors.of(target)
         head = EagleHead.load(resolve_model_path(str(head_dir)), tensors, max_head_tokens)
         return cls(head, tensors.vocab_size, f"eagle:{Path(str(head_dir)).name}")
 

@@ -97,7 +97,9 @@ class TargetTensors:
 
     @classmethod
     def of(cls, target) -> TargetTensors:
-        """A loaded target's (a ``LoadedModel`` or the causal LM itself)."""
+        """A loaded target's (a ``LoadedModel`` or the causal LM itself); ``TargetTensors`` as they are."""
+        if isinstance(target, TargetTensors):
+            return target
         causal = causal_lm_of(target)
         weight = causal.get_output_embeddings().weight
         vocab = target.vocab_size if isinstance(target, LoadedModel) else int(weight.shape[0])
@@ -294,7 +296,7 @@ class EagleHead(nn.Module):
         if raw.pop("format", None) != HEAD_FORMAT:
             raise ValueError(f"{directory}: not an EAGLE head ({CONFIG_FILE} lacks format {HEAD_FORMAT!r})")
         config = HeadConfig(**raw)
-        tensors = target if isinstance(target, TargetTensors) else TargetTensors.of(target)
+        tensors = TargetTensors.of(target)
         expected = HeadConfig.from_target(tensors.causal_lm)
         if (expected.hidden_size, expected.vocab_size) != (config.hidden_size, config.vocab_size):
             raise ValueError(f"{directory}: head for hidden {config.hidden_size} / vocab {config.vocab_size}, target "
