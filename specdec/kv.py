@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.gguf.runtime import GgufKV
 from specdec.lean.kv import LeanKV
 from specdec.lm import LoadedModel
 
@@ -84,13 +85,13 @@ class GrowingKVLayer(_growing_layer_base()):
 
 
 def new_session_cache(lm: LoadedModel):
-    """A KV cache for one sequence: the lean runtime's ``LeanKV`` where the model runs on it;
-    else ``GrowingKVLayer``s where the model's layers are plain (full-attention) ones,
+    """A KV cache for one sequence: the lean (gguf) runtime's ``LeanKV`` (``GgufKV``) where the model
+    runs on it; else ``GrowingKVLayer``s where the model's layers are plain (full-attention) ones,
     transformers' own cache otherwise (sliding windows, linear attention)."""
+    if lm.packed_runtime is not None:
+        return lm.new_cache()
     from transformers.cache_utils import DynamicLayer
 
-    if lm.lean is not None:
-        return lm.new_cache()
 
     cache = lm.new_cache()
     if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
@@ -133,7 +134,7 @@ class KVSession:
     def rollback_to(self, length: int) -> None:
         """Make cache and ``cached_tokens`` agree on the first ``length`` positions (after a failed
         pass, which may have grown some layers and not others)."""
-        if isinstance(self.cache, LeanKV):  # a failed lean pass never moved the length; a rollback may
+        if isinstance(self.cache, (LeanKV, GgufKV)):  # a failed pass never moved the length; a rollback may
             self.cache.crop(min(self.cache.length, length))
         else:
             for layer in self.cache.layers if self.cache is not None else ():
@@ -180,9 +181,10 @@ class KVSession:
         return logits
 
     @property
-    def lean_cache(self) -> LeanKV | None:
-        """The cache when it is the lean runtime's (batched passes run ``LeanModel.forward``), else None."""
-        return self.cache if isinstance(self.cache, LeanKV) else None
+    def packed_cache(self) -> LeanKV | GgufKV | None:
+        """The cache when it is the lean or gguf runtime's (batched passes run that runtime's
+        ``forward``), else None."""
+        return self.cache if isinstance(self.cache, (LeanKV, GgufKV)) else None
 
     @property
     def growing_layers(self) -> list[GrowingKVLayer] | None:
@@ -191,6 +193,8 @@ class KVSession:
         return layers if layers and all(isinstance(layer, GrowingKVLayer) for layer in layers) else None
 
     def close(self) -> None:
+        if isinstance(self.cache, GgufKV):  # its sequence goes back to the model's context
+            self.cache.release()
         self.cache = None
         self.cached_tokens = []
         self.committed = 0

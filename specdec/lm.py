@@ -5,7 +5,9 @@ The loader (``specdec.models``) builds it; KV sessions (``specdec.kv``) and batc
 ``lm`` <- ``kv`` <- ``ragged`` <- ``models`` (the loader switches the attention to the ragged one).
 Where the loader built the lean runtime (``specdec.lean``, Llama-family models), caches are
 ``LeanKV``s and forwards run ``LeanModel.forward``; transformers' model stays beside it (same
-weights) for ``generate`` and as the ``--runtime hf`` fallback.
+weights) for ``generate`` and as the ``--runtime hf`` fallback. On the gguf runtime
+(``specdec.gguf``: a GGUF file on llama.cpp's kernels) there is no torch model at all: caches are
+``GgufKV``s and forwards run ``GgufModel.forward``, the same contract as the lean runtime's.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.gguf.runtime import GgufKV, GgufModel
 from specdec.lean.kv import LeanKV
 
 # FR-Spec: a draft directory may restrict its LM head to these token ids (a JSON list). The draft then
@@ -33,7 +36,7 @@ class LoadedModel:
     """A causal LM ready for KV-cached forwards, with its tokenizer and vocabulary facts."""
 
     name: str
-    model: torch.nn.Module
+    model: torch.nn.Module | None  # None on the gguf runtime (no torch weights)
     tokenizer: object
     device: torch.device
     vocab_size: int  # ids the tokenizer knows; ids at or beyond it are never emitted
@@ -43,13 +46,23 @@ class LoadedModel:
     head_token_ids: torch.Tensor | None = field(default=None, repr=False)  # FR-Spec reduced head
     _head_weight: torch.Tensor | None = field(default=None, repr=False)
     lean: object | None = field(default=None, repr=False)  # specdec.lean.LeanModel when runtime == "lean"
+    gguf: GgufModel | None = field(default=None, repr=False)  # when runtime == "gguf" (then model is None)
 
     @property
     def runtime(self) -> str:
-        return "hf" if self.lean is None else "lean"
+        return "gguf" if self.gguf is not None else "hf" if self.lean is None else "lean"
+
+    @property
+    def packed_runtime(self):
+        """The runtime whose ``forward(caches, feeds, num_logits)`` packs several sessions into one
+        pass (``LeanModel`` or ``GgufModel``), or None on transformers' forward."""
+        return self.gguf if self.gguf is not None else self.lean
 
     def restrict_head(self, token_ids: list[int]) -> None:
         """Compute logits only for ``token_ids``; every other id gets -inf (probability 0)."""
+        if self.gguf is not None:
+            raise ModelLoadError(f"{self.name}: a reduced LM head ({HEAD_TOKEN_IDS_FILE}) is not supported on "
+                                 "the gguf runtime")
         ids = torch.tensor(sorted(set(token_ids)), dtype=torch.long)
         if len(ids) == 0 or int(ids[0]) < 0 or int(ids[-1]) >= self.logits_width:
             raise ModelLoadError(f"{self.name}: {HEAD_TOKEN_IDS_FILE} holds ids outside 0..{self.logits_width - 1}")
@@ -72,10 +85,14 @@ class LoadedModel:
 
     @property
     def logits_width(self) -> int:
+        if self.gguf is not None:
+            return self.gguf.vocab_size
         return int(self.model.get_output_embeddings().weight.shape[0])
 
     @property
     def max_positions(self) -> int:
+        if self.gguf is not None:
+            return self.gguf.max_positions
         return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
 
     def validate_prompt(self, prompt_ids: list[int], field: str = "prompt_token_ids") -> None:
@@ -89,9 +106,10 @@ class LoadedModel:
             raise ValueError(f"{field}: {len(prompt_ids)} tokens exceed the model context ({self.max_positions})")
 
     def new_cache(self):
-        """An empty KV cache: a ``LeanKV`` on the lean runtime, transformers' ``DynamicCache`` otherwise."""
-        if self.lean is not None:
-            return self.lean.new_kv()
+        """An empty KV cache: a ``LeanKV`` (``GgufKV``) on the lean (gguf) runtime, transformers'
+        ``DynamicCache`` otherwise."""
+        if self.packed_runtime is not None:
+            return self.packed_runtime.new_kv()
         from transformers import DynamicCache
 
         try:
@@ -102,6 +120,8 @@ class LoadedModel:
     @property
     def feature_size(self) -> int:
         """Width of the features ``captured_features`` yields (the hidden size); 0 if it cannot."""
+        if self.gguf is not None:
+            return 0
         if self.lean is None and not isinstance(getattr(self.model.base_model, "norm", None), torch.nn.Module):
             return 0
         return int(self.model.config.hidden_size)
@@ -137,8 +157,8 @@ class LoadedModel:
     def forward(self, input_ids: list[int], cache, num_logits: int, on_device: bool = False) -> torch.Tensor:
         """Feed ``input_ids`` after what ``cache`` holds; return fp32 logits [num_logits, V], on the
         host or (``on_device``) where the model runs."""
-        if isinstance(cache, LeanKV):
-            return logits_to(self.lean.forward([cache], [input_ids], [num_logits]), on_device)
+        if isinstance(cache, (LeanKV, GgufKV)):
+            return logits_to(self.packed_runtime.forward([cache], [input_ids], [num_logits]), on_device)
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         return self.forward_rows(ids, cache, num_logits, on_device=on_device)[0]
 

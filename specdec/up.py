@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 
+from specdec.pass_options import RUNTIME_ENV
 from specdec.supervisor import ChildSpec, Supervisor
 
 LOG_PREFIX = "[up      ]"
@@ -238,9 +239,14 @@ def children(args) -> list[ChildSpec]:
     if getattr(args, "emulate_machines", False):
         verifier_cpus, drafter_cpus = machine_partition(os.sched_getaffinity(0))
         verifier_threads = ["--threads", str(len(verifier_cpus))]
+    # An EAGLE head reads the target's features, which the gguf runtime does not give: its verifier runs
+    # the lean runtime unless one was named.
+    verifier_runtime = (["--runtime", "lean"] if method == "eagle" and os.environ.get(RUNTIME_ENV, "auto") == "auto"
+                        else [])
     return [
         ChildSpec("verifier", base + ["verifier", "--target", args.target, "--host", host, "--port",
-                                      str(verifier_port), *verifier_threads, *common, *model_service, *metrics(2),
+                                      str(verifier_port), *verifier_threads, *verifier_runtime, *common,
+                                      *model_service, *metrics(2),
                                       *_flags(args, ["max-new-tokens-cap"])],
                   f"{peer_host}:{verifier_port}", drain_order=1, env=env, cpus=verifier_cpus),
         ChildSpec("drafter", drafter_cmd + common + model_service + metrics(1), f"{peer_host}:{drafter_port}",

@@ -38,7 +38,14 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
 
     async def load(self, target: str, device: str | None = None) -> None:
         loop = asyncio.get_running_loop()
-        self.lm = await loop.run_in_executor(self.executor, lambda: load_model(target, device=device))
+        sessions = self.sessions.max_sessions  # the gguf runtime's context holds that many sequences
+        self.lm = await loop.run_in_executor(self.executor,
+                                             lambda: load_model(target, device=device, sessions=sessions))
+        if self.lm.gguf is not None and self.lm.gguf.context.sequences < sessions:
+            # each session holds one of the context's sequences: admit no more than it has
+            self.sessions.max_sessions = self.lm.gguf.context.sequences
+            log.info("verifier: %d sessions at most (the gguf context's sequences; $SPECDEC_GGUF_SEQUENCES)",
+                     self.sessions.max_sessions)
         await loop.run_in_executor(self.executor, self._warm_up)
         await self.runtime.set_serving(True)
         log.info("verifier serving %s threads=%d", target, await self.model_threads())

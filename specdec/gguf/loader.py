@@ -1,0 +1,64 @@
+"""A GGUF file as a ``LoadedModel`` on the ``gguf`` runtime: its tokenizer (converted once from the
+file's own metadata and cached) and its vocabulary facts."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from specdec.cache import cache_dir
+from specdec.gguf.runtime import GgufModel
+from specdec.lm import LoadedModel, ModelLoadError
+
+log = logging.getLogger(__name__)
+
+
+def gguf_tokenizer(path: Path):
+    """transformers' tokenizer for the GGUF file at ``path``, built from the file's metadata once and
+    kept in the cache (keyed by the file's path, size and modification time)."""
+    from transformers import AutoTokenizer
+
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir() / "tokenizers" / key
+    if (target / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(target)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=target.parent))
+    try:
+        tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / "tokenizer_config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return tokenizer
+
+
+def load_gguf_model(name: str, path: Path, sessions: int | None = None) -> LoadedModel:
+    """The GGUF file at ``path`` on llama.cpp's CPU kernels, holding up to ``sessions`` sessions."""
+    from specdec.gguf.binding import GgufUnavailable
+
+    if not path.is_file():
+        raise ModelLoadError(f"cannot load model {name!r}: no file {path}")
+    try:
+        runtime = GgufModel(path, sequences=sessions)
+    except (GgufUnavailable, ValueError) as exc:
+        raise ModelLoadError(f"cannot load model {name!r} on the gguf runtime: {exc}") from exc
+    tokenizer = gguf_tokenizer(path)
+    eos = set(runtime.context.eos_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    loaded = LoadedModel(name=name, model=None, tokenizer=tokenizer, device=torch.device("cpu"),
+                         vocab_size=min(len(tokenizer), runtime.vocab_size), eos_token_ids=tuple(sorted(eos)),
+                         gguf=runtime)
+    log.info("%s: gguf runtime (%s)", name, ", ".join(f"{k} {v}" for k, v in runtime.describe().items()))
+    return loaded
