@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     verifier.add_argument("--max-new-tokens-cap", type=int, default=2048,
                           help="the most tokens one session may generate, whatever its request asks (a larger "
                                "sampling.max_new_tokens is refused)")
+    verifier.add_argument("--no-verify-ahead", action="store_true",
+                          help="do not feed a session's pending token right after a plain round (by default it "
+                               "is fed while the next block is on its way: a plain round then needs no pass)")
     _add_serve_flags(verifier, 50053)
     drafter = roles.add_parser("drafter")
     drafter.add_argument("--method", choices=["model", "ngram", "eagle", "replay"], default="model",
@@ -394,7 +397,8 @@ def _serve(args) -> int:
 
         coro = serve(args.target, options, max_sessions=args.max_sessions, device=args.device,
                      idle_timeout_s=args.idle_timeout, batching=_batching(args),
-                     max_sessions_per_peer=_sessions_per_peer(args), max_new_tokens_cap=args.max_new_tokens_cap)
+                     max_sessions_per_peer=_sessions_per_peer(args), max_new_tokens_cap=args.max_new_tokens_cap,
+                     verify_ahead=not args.no_verify_ahead)
     elif args.role == "drafter":
         from drafter_service.server import serve
 

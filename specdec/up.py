@@ -77,6 +77,8 @@ def add_arguments(up: argparse.ArgumentParser, default_target: str) -> None:
                     help="seconds each service gives in-flight streams on shutdown (default: theirs); the "
                          f"supervisor kills one still running {DRAIN_MARGIN_S:g} s later")
     up.add_argument("--max-new-tokens-cap", type=int, default=None, help="gateway: largest max_new_tokens")
+    up.add_argument("--no-verify-ahead", action="store_true",
+                    help="verifier: do not feed a session's pending token right after a plain round")
     up.add_argument("--max-prompt-tokens", type=int, default=None, help="gateway: longest prompt")
     up.add_argument("--api-keys-file", default=None, help="gateway: client API keys, one per line")
     up.add_argument("--tls-cert", default=None, help="PEM certificate every service serves (and presents)")
@@ -247,7 +249,7 @@ def children(args) -> list[ChildSpec]:
         ChildSpec("verifier", base + ["verifier", "--target", args.target, "--host", host, "--port",
                                       str(verifier_port), *verifier_threads, *verifier_runtime, *common,
                                       *model_service, *metrics(2),
-                                      *_flags(args, ["max-new-tokens-cap"])],
+                                      *_flags(args, ["max-new-tokens-cap", "no-verify-ahead"])],
                   f"{peer_host}:{verifier_port}", drain_order=1, env=env, cpus=verifier_cpus),
         ChildSpec("drafter", drafter_cmd + common + model_service + metrics(1), f"{peer_host}:{drafter_port}",
                   drain_order=1, after_ready=deprioritise(args.drafter_nice, idle=args.drafter_sched == "idle"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from specdec.acceptance import AcceptanceResult, accept_greedy, accept_speculative
 from specdec.kv import KVSession
 from specdec.lm import LoadedModel
@@ -74,21 +76,43 @@ class TargetSession:
         self.feature_window = feature_window
         self.unsent: TargetFeatures | None = None  # features computed but not yet in a verdict
         self.features_sent = 0  # positions 0 .. features_sent - 1 went out in verdicts
+        # The pending token's logits [1, V], computed ahead of the next block (``PendingForward``)
+        # while ``len(tokens) == ahead_at``: that block's pass then feeds only its drafts, and a
+        # block without drafts needs no pass at all.
+        self.ahead_logits: torch.Tensor | None = None
+        self.ahead_at = -1
 
     def prefill(self) -> Verdict:
         return self.verify(DraftProposal())
 
     def verify(self, proposal: DraftProposal) -> Verdict:
+        if not self.needs_pass(proposal):
+            return self.commit(proposal, None)
         row = self.forward_row(proposal)
         return self.commit(proposal, batched_forward(self.target, [row], on_device=True)[0], row)
 
     def forward_row(self, proposal: DraftProposal) -> ForwardRow:
         """The forward this verification needs: the pending token and the drafts, k + 1 logits (and,
-        wanting features, those of every position the pass feeds: prefill's whole prompt)."""
+        wanting features, those of every position the pass feeds: prefill's whole prompt). With the
+        pending token's logits computed ahead, only the drafts and their k logits."""
         drafts = [int(t) for t in proposal.draft_tokens]
         tokens = self.tokens + drafts
-        return ForwardRow(self.kv, tokens, len(drafts) + 1, committed=len(self.tokens),
+        ahead = 1 if self.has_ahead else 0
+        return ForwardRow(self.kv, tokens, len(drafts) + 1 - ahead, committed=len(self.tokens),
                           num_features=self.features_wanted(len(tokens)))
+
+    @property
+    def has_ahead(self) -> bool:
+        """Whether the pending token's logits were computed ahead (``PendingForward``) and still hold."""
+        return self.ahead_logits is not None and self.ahead_at == len(self.tokens)
+
+    def needs_pass(self, proposal: DraftProposal) -> bool:
+        """Whether verifying ``proposal`` takes a forward pass (not: no drafts, logits computed ahead)."""
+        return len(proposal.draft_tokens) > 0 or not self.has_ahead
+
+    def keep_ahead(self, logits: torch.Tensor) -> None:
+        """The logits a ``PendingForward`` pass computed for the pending token."""
+        self.ahead_logits, self.ahead_at = logits, len(self.tokens)
 
     def features_wanted(self, length: int) -> int:
         """How many trailing positions of a pass over the first ``length`` tokens a verdict will still
@@ -129,9 +153,14 @@ class TargetSession:
         the pass's row, whose features a session that wants them sends).
 
         ``logits`` stay where the pass left them (the GPU, in a GPU verifier): greedy reads back the
-        k + 1 argmax tokens, sampling the k values p_i(x_i) and one row (``accept_speculative``)."""
+        k + 1 argmax tokens, sampling the k values p_i(x_i) and one row (``accept_speculative``).
+        With the pending token's logits computed ahead, ``logits`` are the drafts' k rows (None: no
+        drafts, no pass) and the pending row goes first."""
         if row is not None:
             self.take_features(row)
+        if self.has_ahead:
+            logits = self.ahead_logits if logits is None else torch.cat([self.ahead_logits, logits])
+        self.ahead_logits = None
         drafts = [int(t) for t in proposal.draft_tokens]
         k = len(drafts)
         if self.params.greedy:
@@ -219,18 +248,67 @@ class PrefillChunk:
                           num_features=self.session.features_wanted(self.end))
 
 
-VerifyJob = tuple[TargetSession, DraftProposal] | PrefillChunk
+@dataclass(frozen=True)
+class PendingForward:
+    """A job that feeds a session's pending token (its last committed one) right after a verdict,
+    before the next block arrives, and keeps that position's logits (``TargetSession.keep_ahead``).
+
+    The pending token is fed by every next verification whatever its drafts, so the pass is never
+    wasted: it runs while the verdict travels to the gateway and the next block comes back, a
+    block without drafts is then answered without a pass, and one with k drafts feeds k tokens.
+    A position's logits are the same whether it is fed alone or with the drafts after it on a
+    pass-invariant runtime (gguf), and up to rounding on the torch runtimes, as in batching; plain
+    decoding feeds one token per pass, so the greedy reference is this pass's shape."""
+
+    session: TargetSession
+
+    def forward_row(self) -> ForwardRow:
+        tokens = self.session.tokens
+        return ForwardRow(self.session.kv, tokens, 1, committed=len(tokens))
+
+
+VerifyJob = tuple[TargetSession, DraftProposal] | PrefillChunk | PendingForward
+
+
+def _job_session(job: VerifyJob) -> TargetSession:
+    return job[0] if isinstance(job, tuple) else job.session
 
 
 def verify_batch(target: LoadedModel, jobs: list[VerifyJob]) -> list[Verdict | Exception | None]:
     """Verify several sessions' proposals in one forward pass of ``target``; one verdict (or the
     error of that job alone) per job, each equal to what ``session.verify(proposal)`` decides.
-    A ``PrefillChunk`` job's result is None: it only fills its session's cache."""
-    rows = [job.forward_row() if isinstance(job, PrefillChunk) else job[0].forward_row(job[1]) for job in jobs]
+    A ``PrefillChunk`` or ``PendingForward`` job's result is None: it only fills its session's
+    cache (and keeps the pending token's logits). A job whose session was closed meanwhile fails
+    alone, before the pass."""
+    closed = [_job_session(job).kv.cache is None for job in jobs]
+    passless = [isinstance(job, tuple) and not job[0].needs_pass(job[1]) for job in jobs]
+    verdicts = iter(_verify_live(target, [job for job, gone, free in zip(jobs, closed, passless) if not (gone or free)]))
+    results: list[Verdict | Exception | None] = []
+    for job, gone, free in zip(jobs, closed, passless):
+        if gone:
+            results.append(RuntimeError("the session was closed"))
+        elif free:
+            try:
+                results.append(job[0].commit(job[1], None))
+            except Exception as exc:  # one session's failure is its own
+                results.append(exc)
+        else:
+            results.append(next(verdicts))
+    return results
+
+
+def _verify_live(target: LoadedModel, jobs: list[VerifyJob]) -> list[Verdict | Exception | None]:
+    if not jobs:
+        return []
+    rows = [job[0].forward_row(job[1]) if isinstance(job, tuple) else job.forward_row() for job in jobs]
     results: list[Verdict | Exception | None] = []
     for job, row, logits in zip(jobs, rows, batched_forward(target, rows, on_device=True), strict=True):
         if isinstance(job, PrefillChunk):
             job.session.take_features(row)
+            results.append(None)
+            continue
+        if isinstance(job, PendingForward):
+            job.session.keep_ahead(logits)
             results.append(None)
             continue
         session, proposal = job

@@ -11,13 +11,14 @@ from specdec import telemetry
 from specdec.costs import measure_forward_curve
 from specdec.models import MAX_VOCAB_PADDING, LoadedModel, load_model
 from specdec.rpc import convert
+from specdec.ragged import BatchInfo
 from specdec.rpc.scheduler import BatchingOptions
 from specdec.rpc.server import NotReady, idle_guard, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
 from specdec.rpc.sessions import ModelWorkerService, validate_session_id
 from specdec.sampling import DraftProposal, with_random_seed
 from specdec.target_features import WIRE_DTYPE
 from specdec.v1 import types_pb2, verifier_pb2, verifier_pb2_grpc
-from specdec.verification import PrefillChunk, TargetSession, Verdict, VerifyJob, verify_batch
+from specdec.verification import PendingForward, PrefillChunk, TargetSession, Verdict, VerifyJob, verify_batch
 
 log = logging.getLogger("specdec.verifier")
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
@@ -30,9 +31,10 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
     role = "verifier"
 
     def __init__(self, runtime: ServiceRuntime, max_new_tokens_cap: int = DEFAULT_MAX_NEW_TOKENS_CAP,
-                 **kwargs) -> None:
+                 verify_ahead: bool = True, **kwargs) -> None:
         super().__init__(runtime, **kwargs)
         self.max_new_tokens_cap = max_new_tokens_cap
+        self.verify_ahead = verify_ahead  # feed the pending token after a plain round (PendingForward)
         self.lm: LoadedModel | None = None
         self.forward_cost_s: list[float] = []  # measured at start-up; reported by GetInfo
 
@@ -82,6 +84,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
         key = None
         cancelled = asyncio.Event()  # set by an out-of-band cancel of this session
         session: TargetSession | None = None
+        ahead: asyncio.Task | None = None  # the pending token's pass, run while the next block is on its way
         budget = 0  # the committed length (prompt + max_new_tokens) this session never passes
         trace = telemetry.current().session_trace(context, SERVICE_NAME, "Verify", "verifier")  # None: off
         try:
@@ -110,13 +113,19 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                         trace.set(session_id=key, prompt_tokens=len(prompt))
                         trace.step("prefill", received, prompt_tokens=len(prompt), tokens=len(verdict.tokens),
                                    prefill_chunks=chunks, **_feature_attributes(verdict), **verdict.batch.trace_attributes())
+                    ahead = self._start_ahead(session, verdict, budget, lm)
                     yield verifier_pb2.VerifyResponse(round=0, service_time_us=_us_since(received),
                                                       **convert.verdict_fields(verdict))
                 elif kind == "block":
                     if session is None:
                         raise ValueError("block: send start first")
                     proposal = self._validate_block(request.block, session, lm, budget)
-                    verdict = await self._verify(session, proposal, len(proposal) + 1)
+                    ahead_batch = await _settle(ahead)
+                    ahead = None
+                    if session.needs_pass(proposal):
+                        verdict = await self._verify(session, proposal, len(proposal) + (0 if session.has_ahead else 1))
+                    else:  # a plain round whose pending token was fed ahead: no pass
+                        verdict = dataclasses.replace(session.commit(proposal, None), batch=ahead_batch)
                     self.metrics.tokens.inc(len(verdict.tokens))
                     self.metrics.draft_tokens.inc(verdict.num_drafts)
                     self.metrics.accepted_tokens.inc(verdict.num_accepted)
@@ -124,6 +133,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                         trace.step("verify", received, round=request.block.round, drafted=verdict.num_drafts,
                                    accepted=verdict.num_accepted, tokens=len(verdict.tokens),
                                    **_feature_attributes(verdict), **verdict.batch.trace_attributes())
+                    ahead = self._start_ahead(session, verdict, budget, lm)
                     yield verifier_pb2.VerifyResponse(round=request.block.round, service_time_us=_us_since(received),
                                                       **convert.verdict_fields(verdict))
                 else:
@@ -133,6 +143,8 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                 trace.fail(exc)
             raise
         finally:
+            if ahead is not None:  # skipped unless its pass already started (the close waits for that pass)
+                ahead.cancel()
             # Normal end, client cancel, deadline or error: the KV cache goes with the stream.
             if key is not None:
                 self.sessions.close(key)
@@ -154,6 +166,17 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
             self.metrics.prefill_chunks.inc()
             chunks += 1
         return await self._verify(session, DraftProposal(), len(session.tokens) - fed), chunks
+
+    def _start_ahead(self, session: TargetSession, verdict: Verdict, budget: int,
+                     lm: LoadedModel) -> asyncio.Task | None:
+        """After a plain round (or the prefill), feed the pending token now (``PendingForward``): the
+        next round feeds it whatever it drafts, and a plain round is likely followed by another. Not
+        for sessions streaming features (their features follow the verification passes), nor where
+        no further block can come."""
+        if (not self.verify_ahead or verdict.num_drafts > 0 or session.want_features
+                or len(session.tokens) >= budget or len(session.tokens) + 1 >= lm.max_positions):
+            return None
+        return asyncio.ensure_future(self._batched(PendingForward(session), 1))
 
     async def _verify(self, session: TargetSession, proposal: DraftProposal, tokens: int) -> Verdict:
         """Verify in a batched pass with other sessions' pending messages (prefill: empty proposal)."""
@@ -202,6 +225,20 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
         )
 
 
+async def _settle(ahead: asyncio.Task | None) -> BatchInfo | None:
+    """Wait for a session's ahead pass; its BatchInfo as the round saw it (the part of the pass it
+    waited for), or None if there was none or it failed (the verification then feeds the pending
+    token itself)."""
+    if ahead is None:
+        return None
+    started = time.perf_counter()
+    try:
+        _, info = await ahead
+    except Exception:  # noqa: BLE001 - the verification redoes what the pass did not
+        return None
+    return BatchInfo(info.size, info.tokens, 0.0, min(info.pass_s, time.perf_counter() - started))
+
+
 def _feature_attributes(verdict: Verdict) -> dict:
     """A verdict's target features on its trace step (sessions that asked for them)."""
     if verdict.features is None:
@@ -217,10 +254,11 @@ def _us_since(started: float) -> int:
 async def serve(target: str, options: ServeOptions, max_sessions: int = 64, device: str | None = None,
                 idle_timeout_s: float | None = 300.0, batching: BatchingOptions | None = None,
                 max_sessions_per_peer: int | None = None,
-                max_new_tokens_cap: int = DEFAULT_MAX_NEW_TOKENS_CAP) -> None:
+                max_new_tokens_cap: int = DEFAULT_MAX_NEW_TOKENS_CAP, verify_ahead: bool = True) -> None:
     runtime = ServiceRuntime(SERVICE_NAME, options)
     service = VerifierService(runtime, max_sessions=max_sessions, idle_timeout_s=idle_timeout_s, batching=batching,
-                              max_sessions_per_peer=max_sessions_per_peer, max_new_tokens_cap=max_new_tokens_cap)
+                              max_sessions_per_peer=max_sessions_per_peer, max_new_tokens_cap=max_new_tokens_cap,
+                              verify_ahead=verify_ahead)
     verifier_pb2_grpc.add_VerifierServicer_to_server(service, runtime.server)
     port = await runtime.start()
     runtime.install_signal_handlers()
