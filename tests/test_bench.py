@@ -657,3 +657,221 @@ def test_round_breakdown_splits_a_round_into_its_parts():
     assert b["outside_forward"] == pytest.approx((4.2 - 2.6 - 0.8) / 4.2)
     assert "outside the target's pass and the drafting: 19.0%" in describe(b)
     assert round_breakdown(stats[2:]) is None
+
+
+# -- the llama.cpp peer (llamacpp, llamacpp-lookup) ---------------------------------------------------
+def _llama_cpp_built() -> bool:
+    from specdec.gguf.binding import available
+
+    return available()
+
+
+needs_llama_cpp = pytest.mark.skipif(not _llama_cpp_built(), reason="llama.cpp is not built here (make setup)")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_file(tmp_path_factory):
+    """A tiny random Llama as a Q4_1 GGUF file, its weights small enough that greedy decoding repeats
+    itself now and then: prompt lookup then has drafts to propose, accepted and rejected."""
+    from tests import tiny_gguf
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tiny_gguf, "INIT_STD", 0.1)
+        return tiny_gguf.build_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-q4_1.gguf", file_type="q4_1")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_lm(tiny_gguf_file):
+    from specdec.models import load_model
+
+    lm = load_model(str(tiny_gguf_file), device="cpu", runtime="gguf", sessions=1)
+    lm.gguf.context.set_threads(1)  # llama.cpp's threads spin at each pass's barrier, which a busy machine stalls
+    yield lm
+    lm.gguf.close()
+
+
+def _one_token_greedy(lm, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The gguf runtime's own decoding, one token per forward, to the first end-of-sequence token."""
+    from specdec.kv import KVSession
+    from specdec.sampling import greedy_tokens
+
+    session, tokens, out = KVSession(lm), list(prompt), []
+    try:
+        while len(out) < max_new_tokens:
+            token = int(greedy_tokens(session.forward(tokens, 1), lm.vocab_size)[0])
+            out.append(token)
+            tokens.append(token)
+            if token in lm.eos_token_ids:
+                break
+    finally:
+        session.close()
+    return out
+
+
+def _llamacpp_runner(path, slots: int, lookup: bool = False):
+    from specdec.bench.llamacpp import LlamaCppRunner
+    from specdec.models import load_model
+
+    return LlamaCppRunner(load_model(str(path), device="cpu", runtime="gguf", sessions=slots), threads=1, lookup=lookup)
+
+
+def _run_together(runner, prompts: list[list[int]], max_new_tokens: list[int]):
+    """Every request submitted before the next step: the first ``runner.slots`` start in one batch."""
+    with runner.held():
+        requests = [runner.submit(p, n) for p, n in zip(prompts, max_new_tokens)]
+    return [runner.result(r) for r in requests]
+
+
+def test_llamacpp_systems_parse_and_refuse_sampling(prompt_file, tmp_path, capsys):
+    from specdec.bench.llamacpp import check_greedy
+
+    for local in (True, False):
+        specs = runners.parse_systems("llamacpp,llamacpp-lookup,spec", local=local)
+        assert [(s.name, s.kind, s.method) for s in specs[:2]] == [
+            ("llamacpp", "llamacpp", "none"), ("llamacpp-lookup", "llamacpp", "lookup")]
+    check_greedy(specs, 0.0)
+    with pytest.raises(ValueError, match="greedily"):
+        check_greedy(specs, 0.7)
+    rc = cli_main(["--log-level", "WARNING", "bench", "--local", "--target", "embedded", "--prompts", str(prompt_file),
+                   "--systems", "baseline,llamacpp-lookup", "--temperature", "0.7", "--out", str(tmp_path / "out"),
+                   "--no-progress"])
+    assert rc == 2 and "llamacpp-lookup decode greedily only" in capsys.readouterr().err
+
+
+def test_hf_systems_refuse_models_without_torch_weights():
+    from types import SimpleNamespace
+
+    torch_lm, gguf_lm = SimpleNamespace(name="t", model=object()), SimpleNamespace(name="g.gguf", model=None)
+    assert runners.hf_unavailable(torch_lm, torch_lm) is None
+    assert "the target 'g.gguf' runs on the gguf runtime" in runners.hf_unavailable(gguf_lm)
+    assert "the draft 'g.gguf'" in runners.hf_unavailable(torch_lm, gguf_lm)  # hf-assisted's assistant
+    with pytest.raises(ValueError, match="gguf runtime"):
+        runners.HFRunner(torch_lm, gguf_lm)
+
+
+def test_ngram_cache_drafts_as_llama_cpp_lookup():
+    from specdec.bench.llamacpp import NgramCache
+
+    def draft(tokens, n_draft=3):
+        cache = NgramCache()
+        cache.update(tokens[:3])  # counted in two calls, as tokens arrive
+        cache.update(tokens)
+        return cache.draft(tokens, n_draft)
+
+    # the longest n-gram ending the text + draft (4 tokens: one sample suffices) predicts each token
+    assert draft([5, 6, 7, 5, 6, 7, 5, 6]) == [7, 5, 6]
+    assert draft([5, 6, 7, 5, 6, 7, 5, 6], n_draft=1) == [7]
+    # a 3-gram seen once beats a 2-gram seen once (which needs two samples)
+    assert draft([1, 2, 1, 2, 1]) == [2, 1, 2]
+    # one token: at least two samples and a 66 % share
+    assert draft([3, 8, 3, 8, 3, 9, 7, 3], n_draft=1) == [8]  # 2 of 3
+    assert draft([3, 8, 3, 9, 7, 3]) == []  # 1 of 2
+    assert draft([1, 2, 1, 3]) == [] and draft([4]) == []
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("slots", [1, 3])
+def test_llamacpp_decodes_what_the_gguf_runtime_decodes_one_token_at_a_time(tiny_gguf_file, tiny_gguf_lm, slots):
+    """N sequences of one context stepped together (a prompt in the same pass as others' next tokens,
+    a request waiting for a free slot) give each request the runtime's own greedy tokens."""
+    tokenizer = tiny_gguf_lm.tokenizer
+    prompts = [tokenizer(text)["input_ids"] for text in
+               ("def add(a, b):\n", "The cat sat on the mat.", "Hello! How can I help", "for i in range(10):\n")]
+    lengths = [20, 9, 14, 6]
+    runner = _llamacpp_runner(tiny_gguf_file, slots)
+    try:
+        outcomes = _run_together(runner, prompts, lengths)
+        assert runner.slots == slots and max(runner.batch_sizes) == slots
+    finally:
+        runner.close()
+    for prompt, n, outcome in zip(prompts, lengths, outcomes):
+        assert outcome.token_ids == _one_token_greedy(tiny_gguf_lm, prompt, n)
+        assert outcome.prompt_token_ids == prompt and sum(outcome.chunk_tokens) == len(outcome.token_ids)
+        assert outcome.chunk_tokens == [1] * len(outcome.token_ids)  # plain decoding: a token per step
+        assert outcome.text == tokenizer.decode(outcome.token_ids)
+
+
+@needs_llama_cpp
+def test_llamacpp_lookup_gives_llamacpps_tokens(tiny_gguf_file, tiny_gguf_lm):
+    """Greedy prompt lookup on repetitive prompts: drafts accepted and rejected (the rejected
+    positions removed), and the tokens are plain decoding's, two sequences stepped together."""
+    tokenizer = tiny_gguf_lm.tokenizer
+    prompts = [tokenizer(text)["input_ids"] for text in
+               ("one two three one two three one two", "The cat sat on the mat. The cat sat on the",
+                "def add(a, b):\n    return a + b\ndef add(a, b):\n")]
+    lengths = [48, 40, 48]
+    plain, lookup = _llamacpp_runner(tiny_gguf_file, 2), _llamacpp_runner(tiny_gguf_file, 2, lookup=True)
+    try:
+        expected, outcomes = _run_together(plain, prompts, lengths), _run_together(lookup, prompts, lengths)
+    finally:
+        plain.close()
+        lookup.close()
+    assert [o.token_ids for o in outcomes] == [o.token_ids for o in expected]
+    drafted = sum(o.stats["draft_tokens"] for o in outcomes)
+    accepted = sum(o.stats["accepted_tokens"] for o in outcomes)
+    assert 0 < accepted < drafted
+    assert max(n for o in outcomes for n in o.chunk_tokens) > 1  # a step emitted accepted drafts + one
+    for o in outcomes:
+        assert o.stats["draft_method"] == "lookup" and max(o.stats["k_history"]) <= 3
+        assert sum(o.chunk_tokens) == len(o.token_ids)
+
+
+def test_speedups_and_sweep_against_llamacpp():
+    summaries = {name: {"tokens_per_s": rate, "completed": 4} for name, rate in
+                 (("llamacpp", 10.0), ("spec", 25.0), ("baseline", 12.0))}
+    speed = metrics.compute_speedups(summaries)
+    assert speed["spec_vs_llamacpp"] == pytest.approx(2.5) and speed["baseline_vs_llamacpp"] == pytest.approx(1.2)
+    assert "llamacpp_vs_llamacpp" not in speed and speed["spec_vs_baseline"] == pytest.approx(25 / 12)
+    assert not any(key.endswith("_vs_llamacpp") for key in metrics.compute_speedups(
+        {"spec": summaries["spec"], "baseline": summaries["baseline"]}))
+    sweep = {"levels": [1, 2], "config": {"prompts": "p", "limit": 2, "requests_per_system": 3, "max_new_tokens": 8,
+                                          "temperature": 0.0},
+             "systems": {}, "spec_vs_baseline": [2.0, 1.5], "vs_llamacpp": {"spec": [2.5, 1.25]}, "plot": "x.png"}
+    assert "| spec / llamacpp | 2.500 | 1.250 |" in report.render_sweep(sweep)
+
+
+@needs_llama_cpp
+def test_bench_llamacpp_beside_the_other_systems(tiny_gguf_file, prompt_file, tmp_path, monkeypatch):
+    """--local on a GGUF target: the llama.cpp systems decode what the baseline decodes, every system
+    gets its ratio to llamacpp, the report carries the GGUF file's forward curve; hf refuses the target
+    (no torch weights) and the roofline counts the file's bytes."""
+    import torch
+
+    from specdec.bench.bound import VERIFY_CURVE_TOKENS
+    from specdec.gguf.binding import LlamaContext
+
+    monkeypatch.setenv("SPECDEC_RUNTIME", "gguf")  # the baseline's target on llama.cpp too
+    out = tmp_path / "out"
+    threads = torch.get_num_threads()
+    try:  # one thread, as tiny_gguf_lm
+        rc = cli_main(["--log-level", "WARNING", "bench", "--local", "--target", str(tiny_gguf_file), "--prompts",
+                       str(prompt_file), "--limit", "3", "--max-new-tokens", "16", "--concurrency", "2", "--threads",
+                       "1", "--systems", "llamacpp,llamacpp-lookup,baseline,spec,hf", "--out", str(out),
+                       "--no-progress"])
+    finally:
+        torch.set_num_threads(threads)  # --threads set this process's
+    assert rc == 0
+    summary = _check_outputs(out, ["llamacpp", "llamacpp-lookup", "baseline", "spec"])
+    assert "gguf runtime" in summary["skipped"]["hf"] and "hf" not in summary["systems"]
+    for name in ("llamacpp-lookup", "baseline", "spec"):
+        assert summary["speedup"][f"{name}_vs_llamacpp"] == pytest.approx(
+            summary["systems"][name]["tokens_per_s"] / summary["systems"]["llamacpp"]["tokens_per_s"])
+    assert summary["systems"]["llamacpp"]["kind"] == "llama.cpp in process"
+    peer = summary["llamacpp"]
+    assert peer["file"] == str(tiny_gguf_file) and peer["slots"] == {"llamacpp": 2, "llamacpp-lookup": 2}
+    assert (peer["threads"], peer["threads_from"]) == (1, "--threads")
+    curves = peer["forward_curves"]
+    assert len(curves["gguf"]["seconds"]) == VERIFY_CURVE_TOKENS and curves["gguf"]["threads"] == 1
+    assert curves["lean_fp32"] is None and "lean runtime" in curves["lean_note"]
+    report_text = (out / "report.md").read_text()
+    assert "÷ llamacpp" in report_text and "| spec_vs_llamacpp |" in report_text
+    peer_section = report_text.split("## llama.cpp in process (the peer)")[1].split("\n## ")[0]
+    assert [line.split(" | ")[0] for line in peer_section.splitlines() if line.startswith("| ") and "ms" not in line] \
+        == ["| 1", "| 2", "| 4", "| 8", "| 16"]  # the GGUF file's forward curve
+    context = LlamaContext(tiny_gguf_file, 1, 64, 1)
+    assert summary["bound"]["roofline"]["weight_bytes"] == context.model_bytes
+    context.close()
+    requests = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    tokens = {(r["system"], r["conversation_id"], r["turn"]): r["token_ids"] for r in requests}
+    for (system, conversation, turn), ids in tokens.items():
+        assert ids == tokens[("baseline", conversation, turn)], (system, conversation, turn)

@@ -12,7 +12,11 @@ Runs prompt sets (MT-bench, HumanEval, or JSONL files in either format) through 
 - ``baseline``: the same stack with ``method=none`` (plain decoding);
 - ``inprocess``: the core loop without gRPC (``specdec.local.LocalEngine``, adaptive k);
 - ``hf``: transformers ``generate`` on the target alone;
-- ``hf-assisted``: transformers assisted generation with the same draft model (needs --draft-model).
+- ``hf-assisted``: transformers assisted generation with the same draft model (needs --draft-model);
+- ``llamacpp``: llama.cpp's own greedy decoding, in this process, on the target's GGUF file (any stack);
+- ``llamacpp-lookup``: the same with llama.cpp's prompt-lookup speculation (its ``lookup`` example, mirrored).
+
+When ``llamacpp`` ran, every system's tokens/s is also given as a ratio to it.
 
 With ``--local`` there is no gateway: ``spec``, ``spec-k=N`` and ``baseline`` run the same loop
 in-process (so ``spec`` and ``inprocess`` coincide there).
@@ -38,6 +42,9 @@ Modules (each imports only those listed before it):
 - ``metrics``: per-request records, latency distributions, per-system summaries and speedups;
 - ``load``: conversations through a runner, back to back or on Poisson arrivals;
 - ``bound``: the analytic bound (its formulas are ``specdec.speedup``'s) and the measurements it needs;
+- ``model_cache``: the local target and draft, loaded once when a system or a measurement needs them;
+- ``llamacpp``: the llama.cpp peer (``llamacpp``, ``llamacpp-lookup``): greedy decoding in llama.cpp in
+  this process on the target's GGUF file, N sequences stepped together, and the GGUF / fp32 forward curves;
 - ``sweep``: controlled acceptance (``--acceptance-sweep``): the replay drafter's systems, the recording
   pass, the settings file, the bound of each alpha;
 - ``report`` and ``plots``: ``report.md`` / ``concurrency.md`` and the PNG plots;

@@ -149,7 +149,10 @@ def memory_roofline(target, t_step: float | None) -> dict:
     buffer larger than the caches through a reduction, the same access pattern)."""
     import torch
 
-    weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
+    if target.gguf is not None:  # llama.cpp's tensors as the file holds them (quantized)
+        weight_bytes = target.gguf.context.model_bytes
+    else:
+        weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
     buffer = torch.ones(max(weight_bytes, 256 << 20) // 4, dtype=torch.float32, device=target.device)
     best = float("inf")
     for _ in range(5):

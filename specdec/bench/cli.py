@@ -14,9 +14,10 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from specdec.bench import plots
-from specdec.bench.bound import VERIFY_CURVE_TOKENS, compute_bound, machine_info
+from specdec.bench import llamacpp, plots
+from specdec.bench.bound import compute_bound, machine_info
 from specdec.bench.load import effective_rounds, parse_concurrency, run_system
+from specdec.bench.model_cache import ModelCache
 from specdec.bench.metrics import (
     RequestRecord,
     compute_speedups,
@@ -29,7 +30,6 @@ from specdec.bench.metrics import (
 )
 from specdec.bench.prompts import Conversation, load_prompts
 from specdec.bench.split_check import split_prediction
-from specdec.costs import measure_forward_curve
 from specdec.pass_options import DTYPE_ENV
 from specdec.synthetic import is_synthetic, parse_synthetic
 from specdec.bench.report import fmt, format_round_ratios, render_report, render_sweep
@@ -37,6 +37,8 @@ from specdec.bench.sweep import ReplayControl, replay_requested, replay_systems,
 from specdec.bench.runners import (
     DEFAULT_GATEWAY_SYSTEMS,
     DEFAULT_LOCAL_SYSTEMS,
+    LLAMACPP,
+    LLAMACPP_KIND,
     SYSTEM_KINDS,
     GatewayRunner,
     HFRunner,
@@ -44,6 +46,7 @@ from specdec.bench.runners import (
     Runner,
     SystemSpec,
     describe_error,
+    hf_unavailable,
     parse_systems,
 )
 
@@ -148,43 +151,6 @@ def validate_args(args) -> None:
     validate_replay_args(args)
 
 
-class ModelCache:
-    """Loads --target / --draft-model once, only when a system or a measurement needs them."""
-
-    def __init__(self, args) -> None:
-        self.args = args
-        self._target = None
-        self._draft = None
-        self._forward_curve: list[float] | None = None
-
-    def target(self):
-        if self._target is None:
-            from specdec.models import load_model
-
-            self._target = load_model(self.args.target, device=self.args.device)
-        return self._target
-
-    def draft(self):
-        from specdec.models import check_compatible, load_model
-
-        if self._draft is None and self.args.draft_model:
-            self._draft = load_model(self.args.draft_model, device=self.args.device)
-            check_compatible(self.target(), self._draft)
-        return self._draft
-
-    def forward_curve(self) -> list[float]:
-        """The target's forward over 1..VERIFY_CURVE_TOKENS tokens in this process, measured once."""
-        if self._forward_curve is None:
-            self._forward_curve = measure_forward_curve(self.target(), VERIFY_CURVE_TOKENS)
-        return self._forward_curve
-
-    def drafter(self):
-        from specdec.drafters import ModelDrafter, NgramDrafter
-
-        draft = self.draft()
-        return ModelDrafter(draft) if draft is not None else NgramDrafter()
-
-
 def machine_partition_config(args, stack) -> dict | None:
     """``--emulate-machines`` with ``--up``: the cores of the verifier and of the drafter and gateway."""
     if not getattr(args, "emulate_machines", False) or stack is None:
@@ -232,6 +198,8 @@ def _make_runner(spec: SystemSpec, client, models: ModelCache, first: Conversati
     elif spec.kind == "local":
         drafter = models.drafter() if spec.method != "none" else None
         runner = LocalRunner(models.target(), drafter, spec.num_draft_tokens)
+    elif spec.kind == LLAMACPP_KIND:
+        runner = llamacpp.make_runner(spec, args)
     else:
         runner = HFRunner(models.target(), models.draft() if spec.assisted else None)
     if not args.no_warmup:
@@ -260,6 +228,7 @@ def run_bench(args) -> dict:
     conversations = load_prompts(args.prompts, args.limit)
     systems = parse_systems(args.systems or (DEFAULT_LOCAL_SYSTEMS if args.local else DEFAULT_GATEWAY_SYSTEMS),
                             args.local)
+    llamacpp.check_greedy(systems, args.temperature)
     control = None
     if replay_requested(args):
         systems = replay_systems(args, systems)
@@ -284,6 +253,10 @@ def run_bench(args) -> dict:
             if spec.assisted and not args.draft_model:
                 skipped[spec.name] = "skipped: hf-assisted needs --draft-model (assisted generation with the same draft)"
                 log.warning("%s", skipped[spec.name])
+            elif spec.kind == "hf" and (why := hf_unavailable(models.target(),
+                                                              models.draft() if spec.assisted else None)):
+                skipped[spec.name] = f"skipped: {why}"
+                log.warning("%s: %s", spec.name, skipped[spec.name])
         measured = [spec for spec in systems if spec.name not in skipped]
         if control is not None:  # plain decoding records what the replay drafter proposes, and the target's step
             recording = SystemSpec("recording", "gateway", "none", 0)
@@ -313,7 +286,8 @@ def run_bench(args) -> dict:
         for spec in measured:
             records = all_records[spec.name]
             summary = summarize_records(records, durations[spec.name])
-            summary["kind"] = {"gateway": "gateway", "local": "in-process loop", "hf": "transformers"}[spec.kind]
+            summary["kind"] = {"gateway": "gateway", "local": "in-process loop", "hf": "transformers",
+                               LLAMACPP_KIND: "llama.cpp in process"}[spec.kind]
             if spec.kind != "hf":
                 summary["num_draft_tokens"] = spec.num_draft_tokens
                 summary["method"] = spec.method
@@ -326,6 +300,8 @@ def run_bench(args) -> dict:
             if first_error:
                 summary["first_error"] = first_error
     finally:
+        for runner in runners.values():
+            runner.close()
         if client is not None:
             client.close()
         if stack is not None:
@@ -364,6 +340,8 @@ def run_bench(args) -> dict:
         # The headline ratio's spread over the interleaved rounds (None with one round).
         "spec_vs_baseline_by_round": paired_round_ratios(summaries, spec_reference(summaries)) if rounds > 1 else None,
         "bound": bound,
+        # llama.cpp's systems: the file and threads they ran with, the GGUF and fp32 forward curves
+        "llamacpp": llamacpp.peer_summary(args, models, measured, runners),
     }
     summary["split_prediction"] = split_prediction(summary)
     if control is not None:
@@ -416,6 +394,9 @@ def run_sweep(args) -> dict:
                            for level in levels] for name in systems},
         "spec_vs_baseline": [runs[level]["speedup"].get("spec_vs_baseline") for level in levels],
         "spec_vs_baseline_by_round": [runs[level].get("spec_vs_baseline_by_round") for level in levels],
+        "vs_llamacpp": {name: [runs[level]["speedup"].get(f"{name}_vs_{LLAMACPP}") for level in levels]
+                        for name in systems if any(LLAMACPP in runs[level]["systems"] for level in levels)
+                        and name != LLAMACPP},
     }
     for name, points in sweep["systems"].items():
         first = points[0]["tokens_per_s"]

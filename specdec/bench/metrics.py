@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specdec.bench.breakdown import round_breakdown
+from specdec.bench.runners import LLAMACPP
 from specdec.speedup import conditional_alphas
 
 # Per-position acceptance feeds the bound only where that position was drafted this often; deeper
@@ -233,6 +234,10 @@ def compute_speedups(summaries: dict) -> dict:
         if name.startswith("spec-k=") or name in ("spec-ahead", "spec-noahead"):
             out[f"{name}_vs_baseline"] = ratio(tps(name), tps("baseline"))
     out["ahead_vs_noahead"] = ratio(tps("spec-ahead"), tps("spec-noahead"))
+    if tps(LLAMACPP):  # llama.cpp's plain decoding: the ratio a CPU user compares with
+        for name in summaries:
+            if name != LLAMACPP:
+                out[f"{name}_vs_{LLAMACPP}"] = ratio(tps(name), tps(LLAMACPP))
     return out
 
 

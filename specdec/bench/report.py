@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 from specdec.bench.breakdown import describe as describe_breakdown
+from specdec.bench.runners import LLAMACPP
 
 
 def fmt(value, scale: float = 1.0, digits: int = 2) -> str:
@@ -60,13 +61,16 @@ def render_report(summary: dict) -> str:
         lines.append(f"> **{name}** {reason}")
         lines.append("")
 
+    peer = (systems.get(LLAMACPP) or {}).get("tokens_per_s")
     lines += ["## Systems", "",
-              "| system | kind | tok/s | req/s | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) "
+              "| system | kind | tok/s |" + (f" ÷ {LLAMACPP} |" if peer else "")
+              + " req/s | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) "
               "| latency p50 / p99 (s) | acceptance | mean accepted len | mean k | errors |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "|---|---|---:|" + ("---:|" if peer else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, s in systems.items():
+        versus = f" {fmt(1.0 if name == LLAMACPP else speed.get(f'{name}_vs_{LLAMACPP}'), digits=3)} |" if peer else ""
         lines.append(
-            f"| {name} | {s.get('kind')} | {fmt(s['tokens_per_s'])} | {fmt(s['requests_per_s'], digits=3)} "
+            f"| {name} | {s.get('kind')} | {fmt(s['tokens_per_s'])} |{versus} {fmt(s['requests_per_s'], digits=3)} "
             f"| {fmt(s['ttft_p50_s'], 1e3, 0)} / {fmt(s['ttft_p90_s'], 1e3, 0)} / {fmt(s['ttft_p99_s'], 1e3, 0)} "
             f"| {fmt(s['tpot_p50_s'], 1e3, 1)} / {fmt(s['tpot_p99_s'], 1e3, 1)} "
             f"| {fmt(s['itl_p50_s'], 1e3, 1)} / {fmt(s['itl_p99_s'], 1e3, 1)} "
@@ -97,6 +101,8 @@ def render_report(summary: dict) -> str:
     if by_round := summary.get("spec_vs_baseline_by_round"):
         lines += [f"{by_round['pair'][0]} / {by_round['pair'][1]} within each interleaved round: "
                   f"{format_round_ratios(by_round)}", ""]
+    if summary.get("llamacpp"):
+        lines += render_llamacpp(summary["llamacpp"])
 
     lines += ["## Analytic bound", ""]
     if bound.get("bound") is not None:
@@ -190,6 +196,38 @@ def render_report(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def render_llamacpp(peer: dict) -> list[str]:
+    """The llama.cpp systems' settings and the forward curves of the GGUF file and of the fp32 model."""
+    from specdec.bench.llamacpp import CURVE_POINTS
+
+    lookup = peer["lookup"]
+    lines = ["## llama.cpp in process (the peer)", "",
+             f"- {', '.join(peer['systems'])}: greedy decoding in llama.cpp (this process, specdec's binding, "
+             f"ggml-cpu {peer['cpu_variant']}) on `{peer['file']}`, the target's GGUF file; {peer['threads']} threads "
+             f"({peer['threads_from']}); {peer['slots_requested']} sequences stepped together in one batch per step "
+             f"(slots: {', '.join(f'{n} {v}' for n, v in peer['slots'].items()) or '–'})",
+             f"- llamacpp-lookup mirrors {lookup['mirrors']}: drafts up to {lookup['n_draft']} tokens from "
+             f"{lookup['ngram_min']}..{lookup['ngram_max']}-grams of the prompt and output", ""]
+    curves = peer.get("forward_curves") or {}
+    gguf, lean = curves.get("gguf"), curves.get("lean_fp32")
+    if gguf is None:
+        return lines + [f"No forward curve: {curves.get('note', '–')}", ""]
+    tokens = curves["tokens"]
+    lines += [f"The target's forward over n new tokens after a {curves['prefix_tokens']}-token prefix, in process "
+              "(minimum over reps, made non-decreasing):", "",
+              f"| tokens | GGUF file, llama.cpp ({gguf['threads']} threads) (ms) | fp32, lean runtime"
+              + (f" ({lean['threads']} torch threads)" if lean else "") + " (ms) | fp32 / GGUF |", "|---:|---:|---:|---:|"]
+    for n in CURVE_POINTS:
+        if n > len(tokens):
+            break
+        g = gguf["seconds"][n - 1]
+        f = lean["seconds"][n - 1] if lean else None
+        lines.append(f"| {n} | {fmt(g, 1e3, 2)} | {fmt(f, 1e3, 2)} | {fmt(f / g if f and g else None)} |")
+    if curves.get("lean_note"):
+        lines += ["", f"No fp32 curve: {curves['lean_note']}"]
+    return lines + [""]
+
+
 def render_acceptance_sweep(sweep: dict) -> list[str]:
     """The controlled-acceptance section: the replay drafter's settings, per system the measured
     acceptance, speedup, bound and measured / bound, and the target's forward curve."""
@@ -254,5 +292,7 @@ def render_sweep(sweep: dict) -> str:
                   "| per round: mean ± s.e. | " + " | ".join(
                       (f"{b['mean']:.3f} ± {b['stderr']:.3f}" if b.get("stderr") is not None else f"{b['mean']:.3f}")
                       if b else "–" for b in by_round) + " |"]
+    for name, ratios in (sweep.get("vs_llamacpp") or {}).items():
+        lines.append(f"| {name} / {LLAMACPP} | " + " | ".join(fmt(v, digits=3) for v in ratios) + " |")
     lines += ["", f"![concurrency scaling]({sweep['plot']})", ""]
     return "\n".join(lines)

@@ -8,18 +8,23 @@ import time
 from dataclasses import dataclass, field
 
 SYSTEM_KINDS = ("spec", "spec-k=N", "spec-k=N-ahead", "spec-k=N-noahead", "spec-ahead", "spec-noahead", "baseline",
-                "inprocess", "hf", "hf-assisted")
+                "inprocess", "hf", "hf-assisted", "llamacpp", "llamacpp-lookup")
 # spec-k=N, spec-k=N-ahead, spec-k=N-noahead: a fixed draft length, draft-ahead as the gateway's default / on / off.
 FIXED_K_SYSTEM = re.compile(r"spec-k=(\d+)(-ahead|-noahead)?")
 DEFAULT_GATEWAY_SYSTEMS = "spec,baseline"
 DEFAULT_LOCAL_SYSTEMS = "inprocess,baseline,hf"
+# llama.cpp in this process on the target's GGUF file (specdec.bench.llamacpp): plain, and prompt lookup
+LLAMACPP_KIND = "llamacpp"
+LOOKUP_METHOD = "lookup"
+LLAMACPP = "llamacpp"  # the plain system: when it ran, every system's tokens/s is also set against its
+LLAMACPP_SYSTEMS = {LLAMACPP: "none", f"{LLAMACPP}-lookup": LOOKUP_METHOD}  # name -> method
 
 
 @dataclass(frozen=True)
 class SystemSpec:
     name: str
-    kind: str  # "gateway" | "local" | "hf"
-    method: str = "auto"  # gateway: auto | none; local: draft | none
+    kind: str  # "gateway" | "local" | "hf" | "llamacpp"
+    method: str = "auto"  # gateway: auto | none; local: draft | none; llamacpp: none | lookup
     num_draft_tokens: int = 0  # 0 = adaptive
     assisted: bool = False
     draft_ahead: bool | None = None  # gateway: None = the gateway's default
@@ -51,6 +56,8 @@ def parse_systems(text: str, local: bool) -> list[SystemSpec]:
             spec = SystemSpec(name, "hf")
         elif name == "hf-assisted":
             spec = SystemSpec(name, "hf", assisted=True)
+        elif name in LLAMACPP_SYSTEMS:  # any stack: it runs in this process
+            spec = SystemSpec(name, LLAMACPP_KIND, LLAMACPP_SYSTEMS[name], 0)
         else:
             raise ValueError(f"--systems: unknown system {name!r} (choose from {', '.join(SYSTEM_KINDS)})")
         if any(s.name == name for s in specs):
@@ -179,10 +186,23 @@ class LocalRunner(Runner):
         return asyncio.run(consume())
 
 
+def hf_unavailable(target, draft=None) -> str | None:
+    """Why transformers' ``generate`` cannot run ``target`` (with ``draft`` as its assistant), both
+    ``LoadedModel``s; None when it can."""
+    for role, lm in (("target", target), ("draft", draft)):
+        if lm is not None and lm.model is None:
+            return (f"transformers' generate needs torch weights, and the {role} {lm.name!r} runs on the gguf "
+                    "runtime (llama.cpp: a .gguf file, or the embedded default on a CPU; SPECDEC_RUNTIME=lean runs "
+                    "the embedded default on torch)")
+    return None
+
+
 class HFRunner(Runner):
     """transformers ``generate`` on the target, optionally with ``assistant_model``."""
 
     def __init__(self, target, draft=None) -> None:
+        if (why := hf_unavailable(target, draft)) is not None:
+            raise ValueError(why)
         self.target = target
         self.draft = draft
 

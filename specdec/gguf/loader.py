@@ -16,15 +16,17 @@ from specdec.gguf.runtime import GgufModel
 from specdec.lm import LoadedModel, ModelLoadError
 
 log = logging.getLogger(__name__)
+METADATA_BYTES = 16 << 20  # a GGUF's metadata (49k-token vocabularies take ~2 MB) precedes its tensors
 
 
 def gguf_tokenizer(path: Path):
     """transformers' tokenizer for the GGUF file at ``path``, built from the file's metadata once and
-    kept in the cache (keyed by the file's path, size and modification time)."""
+    kept in the cache, keyed by a hash of the file's head (its metadata, the tokenizer's included):
+    copies of a file, wherever they lie, share one entry."""
     from transformers import AutoTokenizer
 
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    with open(path, "rb") as file:
+        key = hashlib.sha256(file.read(METADATA_BYTES)).hexdigest()[:16]
     target = cache_dir() / "tokenizers" / key
     if (target / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(target)
