@@ -10,11 +10,13 @@ from specdec import telemetry
 from specdec.drafters import Drafter, DraftSession, ModelDrafter, NgramDrafter
 from specdec.eagle.drafter import EagleDrafter
 from specdec.eagle.target_rows import read_target
+from specdec.gguf.runtime import SequencesExhausted
 from specdec.models import EMBEDDED_DRAFT, EMBEDDED_TARGET, LoadedModel, default_eagle_head, load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.replay import REPLAY_WIRE_METHOD, ReplayDrafter
 from specdec.rpc import convert
 from specdec.rpc.scheduler import BatchingOptions
-from specdec.rpc.server import NotReady, idle_guard, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
+from specdec.rpc.server import (NotReady, Overloaded, ServeOptions, ServiceRuntime, idle_guard, map_errors,
+                                map_unary_errors)
 from specdec.rpc.sessions import ModelWorkerService, validate_session_id
 from specdec.sampling import DraftProposal, SamplingParams, with_random_seed
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, types_pb2
@@ -48,7 +50,10 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
             self.drafter = await loop.run_in_executor(self.executor, EagleDrafter.load, draft_model, tensors)
         elif method == "model":
             draft_model = draft_model or EMBEDDED_DRAFT
-            self.lm = await loop.run_in_executor(self.executor, lambda: load_model(draft_model, device=device))
+            sessions = self.sessions.max_sessions  # a GGUF draft's context holds that many sequences
+            self.lm = await loop.run_in_executor(self.executor,
+                                                 lambda: load_model(draft_model, device=device, sessions=sessions))
+            self.fit_sessions_to(self.lm)
             self.drafter = ModelDrafter(self.lm)
         elif method in ("ngram", "replay"):
             if draft_model:  # only the tokenizer: it identifies the vocabulary for the gateway's pairing check
@@ -107,7 +112,11 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
                                          f"({self.max_context})")
                     # Unseeded (a direct client; the gateway always seeds): a fresh seed, not resolved_seed()'s 0.
                     params = with_random_seed(convert.sampling_from_pb(start.sampling, draft_top_k=start.draft_top_k))
-                    session = drafter.start(prompt, params)
+                    self.sessions.admit(context.peer())
+                    try:
+                        session = drafter.start(prompt, params)
+                    except SequencesExhausted as exc:  # a session closing now has not returned its sequence yet
+                        raise Overloaded(str(exc)) from exc
                     key = self.sessions.open(start.session_id, session, cancelled, peer=context.peer())
                     await self._run(session.prefill)
                     if trace is not None:

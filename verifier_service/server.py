@@ -9,11 +9,13 @@ import time
 
 from specdec import telemetry
 from specdec.costs import measure_forward_curve
+from specdec.gguf.runtime import SequencesExhausted
 from specdec.models import MAX_VOCAB_PADDING, LoadedModel, load_model
 from specdec.rpc import convert
 from specdec.ragged import BatchInfo
 from specdec.rpc.scheduler import BatchingOptions
-from specdec.rpc.server import NotReady, idle_guard, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
+from specdec.rpc.server import (NotReady, Overloaded, ServeOptions, ServiceRuntime, idle_guard, map_errors,
+                                map_unary_errors)
 from specdec.rpc.sessions import ModelWorkerService, validate_session_id
 from specdec.sampling import DraftProposal, with_random_seed
 from specdec.target_features import WIRE_DTYPE
@@ -43,11 +45,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
         sessions = self.sessions.max_sessions  # the gguf runtime's context holds that many sequences
         self.lm = await loop.run_in_executor(self.executor,
                                              lambda: load_model(target, device=device, sessions=sessions))
-        if self.lm.gguf is not None and self.lm.gguf.context.sequences < sessions:
-            # each session holds one of the context's sequences: admit no more than it has
-            self.sessions.max_sessions = self.lm.gguf.context.sequences
-            log.info("verifier: %d sessions at most (the gguf context's sequences; $SPECDEC_GGUF_SEQUENCES)",
-                     self.sessions.max_sessions)
+        self.fit_sessions_to(self.lm)
         await loop.run_in_executor(self.executor, self._warm_up)
         await self.runtime.set_serving(True)
         log.info("verifier serving %s threads=%d", target, await self.model_threads())
@@ -104,8 +102,12 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                         raise ValueError(f"sampling.max_new_tokens: {params.max_new_tokens} exceeds this verifier's "
                                          f"cap ({self.max_new_tokens_cap}; --max-new-tokens-cap)")
                     budget = len(prompt) + params.max_new_tokens  # the committed length never passes it
-                    session = TargetSession(lm, prompt, params, want_features=start.want_features,
-                                            feature_window=self.feature_window(lm))
+                    self.sessions.admit(context.peer())
+                    try:
+                        session = TargetSession(lm, prompt, params, want_features=start.want_features,
+                                                feature_window=self.feature_window(lm))
+                    except SequencesExhausted as exc:  # a session closing now has not returned its sequence yet
+                        raise Overloaded(str(exc)) from exc
                     key = self.sessions.open(start.session_id, session, cancelled, peer=context.peer())
                     verdict, chunks = await self._prefill(session)
                     self.metrics.tokens.inc(len(verdict.tokens))

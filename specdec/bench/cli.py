@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import shlex
 import signal
 import sys
 from dataclasses import asdict
@@ -84,6 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eagle-head", default=None, metavar="DIR",
                    help="with --up: the stack's drafter is this EAGLE head (gateway systems draft with it; "
                         "hf-assisted keeps the independent draft)")
+    p.add_argument("--up-args", default=None, metavar="FLAGS",
+                   help="with --up: more flags for the stack's `specdec up`, e.g. '--no-verify-ahead'")
     p.add_argument("--up", action="store_true",
                    help="start a local stack (`specdec up` with --target/--draft-model/--net-delay/--draft-ahead) "
                         "for the gateway systems, and stop it afterwards")
@@ -177,6 +180,7 @@ def start_local_stack(args):
         up_args += ["--draft-method", "replay", "--replay-file", args.replay_file]
     elif getattr(args, "eagle_head", None):
         up_args += ["--draft-method", "eagle", "--draft-model", args.eagle_head]
+    up_args += shlex.split(getattr(args, "up_args", None) or "")
     stack = LocalStack(up_args, quiet=True)
     log.info("starting a local stack: specdec up %s", " ".join(up_args))
     return stack, stack.__enter__()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 
 from specdec import telemetry
@@ -10,6 +11,8 @@ from specdec.rpc.scheduler import BatchingOptions, BatchScheduler
 from specdec.rpc.security import peer_host
 from specdec.rpc.server import Overloaded, SessionNotFound
 from specdec.telemetry import ServiceMetrics
+
+log = logging.getLogger(__name__)
 
 
 MAX_SESSION_ID_CHARS = 128  # a session id is a request id or a minted token, never a payload
@@ -47,15 +50,20 @@ class SessionRegistry:
         """Sessions open from client host ``host`` (a ``peer_host``)."""
         return sum(1 for owner in self._owners.values() if peer_host(owner) == host)
 
-    def open(self, session_id: str, session: object, cancelled: asyncio.Event | None = None, peer: str = "") -> str:
-        """Register a session opened by ``peer`` (``context.peer()``); returns the key to close it
-        with. ``cancel()`` (by the same peer) sets ``cancelled``."""
-        validate_session_id(session_id)
+    def admit(self, peer: str = "") -> None:
+        """``Overloaded`` unless a session opened now by ``peer`` is within the limits (services check
+        before they build a session's state, ``open`` checks again)."""
         if len(self._sessions) >= self.max_sessions:
             raise Overloaded(f"session limit reached ({self.max_sessions})")
         if self.held_by(peer_host(peer)) >= self.max_sessions_per_peer:
             raise Overloaded(f"session limit per client reached ({self.max_sessions_per_peer} of "
                              f"{self.max_sessions}; --max-sessions-per-peer)")
+
+    def open(self, session_id: str, session: object, cancelled: asyncio.Event | None = None, peer: str = "") -> str:
+        """Register a session opened by ``peer`` (``context.peer()``); returns the key to close it
+        with. ``cancel()`` (by the same peer) sets ``cancelled``."""
+        validate_session_id(session_id)
+        self.admit(peer)
         key = session_id if session_id and session_id not in self._sessions else f"{session_id}#{uuid.uuid4().hex[:8]}"
         self._sessions[key] = session
         self._owners[key] = peer
@@ -112,14 +120,24 @@ class ModelWorkerService:
         self.batcher = BatchScheduler(self._run_batch, self.executor, self.batching,
                                       on_pass=self._observe_pass, expected=lambda: len(self.sessions))
 
+    def fit_sessions_to(self, lm) -> None:
+        """On the gguf runtime each session holds one of the context's sequences: admit no more."""
+        sequences = lm.gguf.context.sequences if getattr(lm, "gguf", None) is not None else None
+        if sequences is not None and sequences < self.sessions.max_sessions:
+            self.sessions.max_sessions = sequences
+            log.info("%s: %d sessions at most (the gguf context's sequences; $SPECDEC_GGUF_SEQUENCES)",
+                     self.role, sequences)
+
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     async def model_threads(self) -> int:
-        """CPU threads the model thread's operations run on (``serve --threads``; torch's default)."""
+        """CPU threads the model's passes run on: llama.cpp's on the gguf runtime, else torch's
+        (``serve --threads``; torch's default)."""
         import torch
 
-        return await self._run(torch.get_num_threads)
+        gguf = getattr(getattr(self, "lm", None), "gguf", None)
+        return gguf.context.threads if gguf is not None else await self._run(torch.get_num_threads)
 
     async def _batched(self, job, tokens: int):
         """``(result, BatchInfo)`` of ``job`` served in a batched pass with other sessions' jobs."""
