@@ -78,12 +78,13 @@ def _declare(shim: ctypes.CDLL) -> None:
     signatures = {
         "specdec_llama_init": (None, [ctypes.c_int]),
         "specdec_llama_system_info": (ctypes.c_char_p, []),
-        "specdec_llama_open": (p, [ctypes.c_char_p, u32, u32, u32, i32, i32, i32, ctypes.c_char_p, ctypes.c_size_t]),
+        "specdec_llama_open": (p, [ctypes.c_char_p, u32, u32, u32, i32, i32, i32, u32, ctypes.c_char_p,
+                                   ctypes.c_size_t]),
         "specdec_llama_close": (None, [p]),
         "specdec_llama_fact": (i64, [p, i32]),
         "specdec_llama_model_bytes": (u64, [p]),
         "specdec_llama_meta": (i32, [p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]),
-        "specdec_llama_set_threads": (None, [p, i32]),
+        "specdec_llama_set_threads": (i32, [p, i32]),
         "specdec_llama_decode": (i32, [p, i32, p, p, p, p, p]),
         "specdec_llama_seq_rm": (i32, [p, i32, i32, i32]),
         "specdec_llama_seq_pos_max": (i32, [p, i32]),
@@ -136,14 +137,14 @@ class LlamaContext:
     """
 
     def __init__(self, path: str | Path, sequences: int, positions: int, threads: int, batch: int = 512,
-                 flash_attention: str = "on") -> None:
+                 flash_attention: str = "on", poll: int = 0) -> None:
         self.lib = library()
         error = ctypes.create_string_buffer(512)
         # Each sequence its own KV stream (not unified): a sequence's attention then never reads
         # another's cells, so its logits do not depend on who shares the context.
         self._handle = self.lib.shim.specdec_llama_open(
             str(path).encode(), positions * sequences, sequences, batch, threads, 0,
-            FLASH_ATTENTION[flash_attention], error, len(error))
+            FLASH_ATTENTION[flash_attention], poll, error, len(error))
         if not self._handle:
             raise GgufUnavailable(error.value.decode(errors="replace"))
         fact = self.fact
@@ -170,7 +171,8 @@ class LlamaContext:
         return None if n < 0 else value.value.decode(errors="replace")
 
     def set_threads(self, threads: int) -> None:
-        self.lib.shim.specdec_llama_set_threads(self._handle, threads)
+        if not self.lib.shim.specdec_llama_set_threads(self._handle, threads):
+            raise RuntimeError(f"llama.cpp: cannot start {threads} threads")
         self.threads = threads
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray, want_logits: np.ndarray) -> np.ndarray:

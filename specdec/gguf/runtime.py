@@ -33,6 +33,7 @@ SEQUENCES_ENV = "SPECDEC_GGUF_SEQUENCES"  # sequences (sessions) one context hol
 POSITIONS_ENV = "SPECDEC_GGUF_POSITIONS"  # positions per sequence (each sequence's KV is allocated up front)
 THREADS_ENV = "SPECDEC_GGUF_THREADS"  # llama.cpp's threads (default: torch's, which `serve --threads` sets)
 FLASH_ATTENTION_ENV = "SPECDEC_GGUF_FLASH_ATTENTION"  # on (default) | auto | off
+POLL_ENV = "SPECDEC_GGUF_POLL"  # ggml's polling between passes, 0 (default: sleep at once) .. 100
 # KV memory is sequences x positions x the model's bytes per position, allocated (and written) when
 # the context is made: the default caps the sequences whatever the service's session limit.
 DEFAULT_SEQUENCES = 16
@@ -96,8 +97,11 @@ class GgufModel:
         flash = os.environ.get(FLASH_ATTENTION_ENV, "on")
         if flash not in ("auto", "on", "off"):
             raise ValueError(f"${FLASH_ATTENTION_ENV}={flash!r}: choose from auto, on, off")
+        poll = int(os.environ.get(POLL_ENV) or 0)
+        if not 0 <= poll <= 100:
+            raise ValueError(f"${POLL_ENV} must be between 0 and 100")
         self.context = LlamaContext(self.path, sequences, positions, threads or default_threads(),
-                                    flash_attention=flash)
+                                    flash_attention=flash, poll=poll)
         self.vocab_size = self.context.vocab_size
         self.max_positions = min(self.context.context_length, self.context.positions)
         self._lock = threading.Lock()  # one llama.cpp call at a time

@@ -10,12 +10,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ggml-cpu.h"
 #include "llama.h"
 
 typedef struct specdec_llama {
     struct llama_model *model;
     struct llama_context *ctx;
     struct llama_batch batch;
+    struct ggml_threadpool *threadpool;
+    uint32_t poll;
     int32_t n_batch;
     int32_t n_vocab;
 } specdec_llama;
@@ -55,8 +58,17 @@ void specdec_llama_init(int verbose) {
 
 const char *specdec_llama_system_info(void) { return llama_print_system_info(); }
 
+/* The context's own threads (ggml's threadpool, not OpenMP: OpenMP binds a team of threads to each
+ * thread that calls in, and two teams on a few cores slow each other). `poll` is ggml's polling level
+ * between passes: 0 sleeps at once, leaving the cores to the processes beside it. */
+static struct ggml_threadpool *new_threadpool(int32_t n_threads, uint32_t poll) {
+    struct ggml_threadpool_params params = ggml_threadpool_params_default(n_threads);
+    params.poll = poll;
+    return ggml_threadpool_new(&params);
+}
+
 specdec_llama *specdec_llama_open(const char *path, uint32_t n_ctx, uint32_t n_seq_max, uint32_t n_batch,
-                                  int32_t n_threads, int32_t kv_unified, int32_t flash_attn,
+                                  int32_t n_threads, int32_t kv_unified, int32_t flash_attn, uint32_t poll,
                                   char *error, size_t error_size) {
     struct llama_model_params model_params = llama_model_default_params();
     model_params.n_gpu_layers = 0;
@@ -91,6 +103,16 @@ specdec_llama *specdec_llama_open(const char *path, uint32_t n_ctx, uint32_t n_s
     }
     handle->model = model;
     handle->ctx = ctx;
+    handle->poll = poll;
+    handle->threadpool = new_threadpool(n_threads, poll);
+    if (handle->threadpool == NULL) {
+        snprintf(error, error_size, "ggml cannot start %d threads", n_threads);
+        llama_free(ctx);
+        llama_model_free(model);
+        free(handle);
+        return NULL;
+    }
+    llama_attach_threadpool(ctx, handle->threadpool, handle->threadpool);
     handle->n_batch = (int32_t)llama_n_batch(ctx);
     handle->n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
     handle->batch = llama_batch_init(handle->n_batch, 0, 1);
@@ -102,7 +124,9 @@ void specdec_llama_close(specdec_llama *handle) {
         return;
     }
     llama_batch_free(handle->batch);
+    llama_detach_threadpool(handle->ctx);
     llama_free(handle->ctx);
+    ggml_threadpool_free(handle->threadpool);
     llama_model_free(handle->model);
     free(handle);
 }
@@ -130,8 +154,17 @@ int32_t specdec_llama_meta(const specdec_llama *handle, const char *key, char *v
     return llama_model_meta_val_str(handle->model, key, value, value_size);
 }
 
-void specdec_llama_set_threads(specdec_llama *handle, int32_t n_threads) {
+int32_t specdec_llama_set_threads(specdec_llama *handle, int32_t n_threads) {
+    struct ggml_threadpool *threadpool = new_threadpool(n_threads, handle->poll);
+    if (threadpool == NULL) {
+        return 0;
+    }
+    llama_detach_threadpool(handle->ctx);
+    ggml_threadpool_free(handle->threadpool);
+    handle->threadpool = threadpool;
+    llama_attach_threadpool(handle->ctx, threadpool, threadpool);
     llama_set_n_threads(handle->ctx, n_threads, n_threads);
+    return 1;
 }
 
 /* One pass over n tokens (any mix of sequences), in chunks of at most n_batch tokens. Row i of
