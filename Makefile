@@ -24,10 +24,13 @@ $(STAMP): pyproject.toml specdec/gguf/build.py specdec/gguf/native/specdec_llama
 # again on transformers' forward, the fallback for every other architecture, and on the static-shape
 # passes a GPU replays as CUDA graphs (run eagerly here).
 EXACTNESS_TESTS = tests/test_greedy_equality.py tests/test_batching.py tests/test_distribution.py tests/test_device_decisions.py
+# Two workers, a file each at a time (a file's module-scoped stacks start once): the tests spend about
+# half their time waiting on subprocesses and sockets, so two keep CI's 2 cores busy.
+PARALLEL ?= -n 2 --dist loadfile
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15
-	SPECDEC_RUNTIME=hf $(PY) -m pytest -q -p no:cacheprovider -m "not embedded" $(EXACTNESS_TESTS)
-	SPECDEC_STATIC_KV=on $(PY) -m pytest -q -p no:cacheprovider -m "not embedded" $(EXACTNESS_TESTS)
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 $(PARALLEL)
+	SPECDEC_RUNTIME=hf $(PY) -m pytest -q -p no:cacheprovider -m "not embedded" $(PARALLEL) $(EXACTNESS_TESTS)
+	SPECDEC_STATIC_KV=on $(PY) -m pytest -q -p no:cacheprovider -m "not embedded" $(PARALLEL) $(EXACTNESS_TESTS)
 
 demo: setup
 	$(PY) -m specdec.demo
