@@ -7,15 +7,13 @@ import inspect
 import json
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 # Defined beside LoadedModel (which needs them) and loaded from here by the loader's callers.
 from specdec import pass_options
-from specdec.cache import CACHE_ENV, cache_dir  # noqa: F401 - callers load them from here too
+from specdec.cache import CACHE_ENV, cache_dir, publishing  # noqa: F401 - CACHE_ENV, cache_dir: callers load them from here too
 from specdec.lm import HEAD_TOKEN_IDS_FILE, LoadedModel, ModelLoadError, tokenizer_fingerprint  # noqa: F401
 from specdec.synthetic import build_synthetic_model, is_synthetic, parse_synthetic
 
@@ -68,9 +66,9 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-RUNTIMES = ("auto", "gguf", "lean", "hf")
-# gguf for a .gguf file, and for the embedded default on a CPU where llama.cpp is built; else the
-# lean runtime where it supports the model, transformers' forward elsewhere
+RUNTIMES = ("auto", "torch", "gguf", "lean", "hf")
+# auto: gguf for a .gguf file, and for the embedded default on a CPU where llama.cpp is built; else
+# (and always with torch) the lean runtime where it supports the model, transformers' forward elsewhere
 DEFAULT_RUNTIME = "auto"
 GGUF_SUFFIX = ".gguf"
 
@@ -117,7 +115,7 @@ def _lean_runtime(model, runtime: str | None, name: str):
 
     reason = unsupported_reason(model)
     first = next(model.parameters())
-    if reason is None and runtime == "auto" and first.dtype != torch.float32:
+    if reason is None and runtime in ("auto", "torch") and first.dtype != torch.float32:
         # Half precision (GPUs only) takes the lean runtime to carry CUDA graphs; without them
         # transformers' forward stays the path, as before graphs existed.
         if not pass_options.PassOptions.from_env().resolve(first.device.type)[1]:
@@ -169,18 +167,9 @@ def embedded_model_dir(convert: bool = True) -> Path:
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantized.state_dict())
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
-    try:
+    with publishing(target, "config.json") as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        try:
-            staging.rename(target)  # atomic: a concurrent converter either wins or finds it done
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 DTYPE_ENV = "SPECDEC_DTYPE"  # float32 | bfloat16 | float16 | auto
-RUNTIME_ENV = "SPECDEC_RUNTIME"  # gguf | lean | hf | auto
+RUNTIME_ENV = "SPECDEC_RUNTIME"  # auto | torch | gguf | lean | hf
 STATIC_KV_ENV = "SPECDEC_STATIC_KV"  # auto | on | off
 CUDA_GRAPHS_ENV = "SPECDEC_CUDA_GRAPHS"  # auto | on | off
 KV_SLOTS_ENV = "SPECDEC_KV_SLOTS"
@@ -103,11 +103,11 @@ def note_without_lean(name: str) -> None:
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
                    help="model weights' dtype (default $SPECDEC_DTYPE, else auto: fp32 on CPU, bf16 on GPU)")
-    p.add_argument("--runtime", choices=["auto", "gguf", "lean", "hf"], default=None,
+    p.add_argument("--runtime", choices=["auto", "torch", "gguf", "lean", "hf"], default=None,
                    help="model forward: gguf (a GGUF file on llama.cpp's CPU kernels), lean (specdec's own, "
-                        "Llama-family; fp32, or half precision on GPUs), hf (transformers') or auto (gguf for a "
-                        ".gguf file and the embedded default on a CPU, else lean where supported); default "
-                        "$SPECDEC_RUNTIME, else auto")
+                        "Llama-family; fp32, or half precision on GPUs), hf (transformers'), torch (lean where "
+                        "supported, else hf) or auto (gguf for a .gguf file and the embedded default on a CPU, "
+                        "else as torch); default $SPECDEC_RUNTIME, else auto")
     p.add_argument("--static-kv", choices=SWITCHES, default=None,
                    help="preallocated KV slots and static-shape passes (default $SPECDEC_STATIC_KV, else auto: "
                         "where CUDA graphs are on)")

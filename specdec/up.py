@@ -242,8 +242,8 @@ def children(args) -> list[ChildSpec]:
         verifier_cpus, drafter_cpus = machine_partition(os.sched_getaffinity(0))
         verifier_threads = ["--threads", str(len(verifier_cpus))]
     # An EAGLE head reads the target's features, which the gguf runtime does not give: its verifier runs
-    # the lean runtime unless one was named.
-    verifier_runtime = (["--runtime", "lean"] if method == "eagle" and os.environ.get(RUNTIME_ENV, "auto") == "auto"
+    # a torch runtime unless one was named.
+    verifier_runtime = (["--runtime", "torch"] if method == "eagle" and os.environ.get(RUNTIME_ENV, "auto") == "auto"
                         else [])
     return [
         ChildSpec("verifier", base + ["verifier", "--target", args.target, "--host", host, "--port",

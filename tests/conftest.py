@@ -6,10 +6,10 @@ import torch
 from tests.tiny_models import TEST_DEVICE
 
 torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "2")))
-# The suite's models run on the torch runtimes (lean; `make test` reruns the exactness tests on hf),
-# which `auto` would swap for the gguf runtime on the embedded default; the gguf runtime's own tests
-# (tests/test_gguf_*.py) name it. Services the tests start inherit this.
-os.environ.setdefault("SPECDEC_RUNTIME", "lean")
+# The suite's models run on the torch runtimes (lean where it runs them, else hf; `make test` reruns
+# the exactness tests on hf), which `auto` would swap for the gguf runtime on the embedded default;
+# the gguf runtime's own tests (tests/test_gguf_*.py) name it. Services the tests start inherit this.
+os.environ.setdefault("SPECDEC_RUNTIME", "torch")
 
 
 @pytest.fixture(scope="session")

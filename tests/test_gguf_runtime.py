@@ -380,14 +380,19 @@ def _state(lm, kvs: list[KVSession]) -> list[tuple[int, int, int]]:
     return [(len(kv), kv.cache.length, lm.gguf.context.last_position(kv.cache.seq_id)) for kv in kvs]
 
 
+def _two_started(lm, a_tokens: list[int], b_tokens: list[int]):
+    """Two sessions a few tokens in, and their state (``_state``)."""
+    a, b = KVSession(lm), KVSession(lm)
+    a.forward(a_tokens[:5], 1)
+    b.forward(b_tokens[:4], 1)
+    return a, b, _state(lm, [a, b])
+
+
 def test_a_pass_past_the_sequence_positions_changes_no_cache(two_sequences):
     lm, refs = two_sequences
     (a_tokens, a_reference), (b_tokens, b_reference) = refs[0], refs[1]
     positions = lm.gguf.context.positions
-    a, b = KVSession(lm), KVSession(lm)
-    a.forward(a_tokens[:5], 1)
-    b.forward(b_tokens[:4], 1)
-    before = _state(lm, [a, b])
+    a, b, before = _two_started(lm, a_tokens, b_tokens)
     too_long = b_tokens[:4] + [7] * positions
     with pytest.raises(ValueError, match="per sequence"):
         batched_forward(lm, [ForwardRow(a, a_tokens[:8], 3), ForwardRow(b, too_long, 1)])
@@ -406,10 +411,7 @@ def test_a_pass_llama_cpp_fails_part_way_changes_no_cache(two_sequences):
     lm, refs = two_sequences
     (a_tokens, a_reference), (b_tokens, b_reference) = refs[0], refs[1]
     batch = lm.gguf.context.batch
-    a, b = KVSession(lm), KVSession(lm)
-    a.forward(a_tokens[:5], 1)
-    b.forward(b_tokens[:4], 1)
-    before = _state(lm, [a, b])
+    a, b, before = _two_started(lm, a_tokens, b_tokens)
     rng = random.Random(1)
     a_feed = a_tokens[:5] + [rng.randrange(lm.vocab_size) for _ in range(batch - 10)]
     b_feed = b_tokens[:4] + [rng.randrange(lm.vocab_size) for _ in range(30)] + [lm.gguf.vocab_size + 5]
@@ -442,7 +444,7 @@ def test_gguf_loading_errors_name_the_problem(files, tiny_pair, tmp_path, monkey
     with pytest.raises(ModelLoadError, match="not 'lean'") as error:
         load_model(path, device="cpu", runtime="lean")
     assert path in str(error.value)
-    monkeypatch.setenv(RUNTIME_ENV, "lean")  # what the suite pins: a .gguf asks for the runtime by name
+    monkeypatch.setenv(RUNTIME_ENV, "torch")  # what the suite pins: a .gguf asks for the runtime by name
     with pytest.raises(ModelLoadError, match="gguf runtime"):
         load_model(path, device="cpu")
     missing = str(tmp_path / "missing.gguf")

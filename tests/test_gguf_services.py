@@ -63,7 +63,7 @@ def target(files, environment):
 
 @pytest.fixture(scope="module")
 def stack(files, environment, tmp_path_factory):
-    """Each service names the gguf runtime: the suite pins SPECDEC_RUNTIME=lean, which children inherit."""
+    """Each service names the gguf runtime: the suite pins SPECDEC_RUNTIME=torch, which children inherit."""
     logs = tmp_path_factory.mktemp("gguf-services")
     env = {**environment, RUNTIME_ENV: "gguf"}
     verifier = start_service("verifier", ["--target", str(files["q4_1"]), "--runtime", "gguf"], logs,

@@ -38,6 +38,15 @@ async def _serve(target: str, verify_ahead: bool):
     return runtime, service, passes, f"127.0.0.1:{port}"
 
 
+async def _start(channel, prompt: list[int]):
+    """A Verify stream with a greedy session on ``prompt``: the call and the prefill's tokens."""
+    call = verifier_pb2_grpc.VerifierStub(channel).Verify()
+    params = convert.sampling_to_pb(SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    await call.write(verifier_pb2.VerifyRequest(start=verifier_pb2.VerifyStart(
+        session_id="ahead", prompt_token_ids=prompt, sampling=params)))
+    return call, list((await call.read()).token_ids)
+
+
 async def _until(condition, timeout: float = 10.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not condition():
@@ -51,33 +60,34 @@ async def test_plain_rounds_after_an_ahead_pass_need_no_pass_and_blocks_feed_onl
     runtime, service, passes, address = await _serve(str(tiny_pair[1]), verify_ahead=True)
     try:
         async with grpc.aio.insecure_channel(address) as channel:
-            call = verifier_pb2_grpc.VerifierStub(channel).Verify()
-            params = convert.sampling_to_pb(SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
-            await call.write(verifier_pb2.VerifyRequest(start=verifier_pb2.VerifyStart(
-                session_id="ahead", prompt_token_ids=prompt, sampling=params)))
-            tokens = list((await call.read()).token_ids)
+            call, tokens = await _start(channel, prompt)
             vocab = tiny_target.vocab_size
+            aheads = 1  # the prefill's verdict sets off the first ahead pass
+
+            def ahead_passes() -> int:
+                return sum(kinds == ["PendingForward"] for kinds in passes)
+
             for round_number, k in enumerate([0, 0, 3, 0, 1, 0, 0], start=1):
                 drafts = reference[len(tokens): len(tokens) + k]
                 if k > 1:  # the last one wrong: a rejection, the cache rolled back
                     drafts[-1] = (drafts[-1] + 1) % vocab
-                # The verdict before a plain round (or the prefill) set off the pending token's pass.
-                await _until(lambda: passes and passes[-1] == ["PendingForward"])
+                await _until(lambda: ahead_passes() == aheads)
                 before = len(passes)
                 block = verifier_pb2.VerifyBlock(round=round_number, draft_token_ids=drafts)
                 await call.write(verifier_pb2.VerifyRequest(block=block))
-                verdict = await call.read()
-                tokens += verdict.token_ids
-                if not drafts:  # answered from the logits computed ahead (the next one may have started)
+                tokens += (await call.read()).token_ids
+                if not drafts:  # answered from the logits computed ahead (the next ahead pass may have started)
                     assert all(kinds == ["PendingForward"] for kinds in passes[before:]), passes[before:]
-                else:  # one pass over the drafts alone, with the pending token's row from ahead
-                    assert passes[before:] == [[f"verify:{len(drafts)}"]], passes[before:]
-                if drafts:
-                    # after a block with drafts nothing runs ahead: the next block is verified whole
-                    await asyncio.sleep(0.05)
-                    assert passes[-1] != ["PendingForward"]
-                    await call.write(verifier_pb2.VerifyRequest(block=verifier_pb2.VerifyBlock(round=100 + round_number)))
-                    tokens += (await call.read()).token_ids
+                    aheads += 1
+                    continue
+                # one pass over the drafts alone (the pending token's row came from ahead), and after a
+                # block with drafts nothing runs ahead: the next plain block takes a pass of its own
+                assert passes[before:] == [[f"verify:{len(drafts)}"]], passes[before:]
+                before = len(passes)
+                await call.write(verifier_pb2.VerifyRequest(block=verifier_pb2.VerifyBlock(round=100 + round_number)))
+                tokens += (await call.read()).token_ids
+                assert passes[before] == ["verify:0"], passes[before:]
+                aheads += 1
             await call.done_writing()
     finally:
         await runtime.server.stop(0)
@@ -90,11 +100,7 @@ async def test_without_verify_ahead_every_round_is_its_own_pass(tiny_pair, tiny_
     runtime, service, passes, address = await _serve(str(tiny_pair[1]), verify_ahead=False)
     try:
         async with grpc.aio.insecure_channel(address) as channel:
-            call = verifier_pb2_grpc.VerifierStub(channel).Verify()
-            params = convert.sampling_to_pb(SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
-            await call.write(verifier_pb2.VerifyRequest(start=verifier_pb2.VerifyStart(
-                session_id="plain", prompt_token_ids=prompt, sampling=params)))
-            tokens = list((await call.read()).token_ids)
+            call, tokens = await _start(channel, prompt)
             for round_number in range(1, 6):
                 before = len(passes)
                 await call.write(verifier_pb2.VerifyRequest(block=verifier_pb2.VerifyBlock(round=round_number)))

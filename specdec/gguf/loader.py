@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from specdec.cache import cache_dir
+from specdec.cache import cache_dir, publishing
 from specdec.gguf.runtime import GgufModel
 from specdec.lm import LoadedModel, ModelLoadError
 
@@ -31,17 +29,8 @@ def gguf_tokenizer(path: Path):
     if (target / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(target)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=target.parent))
-    try:
+    with publishing(target, "tokenizer_config.json") as staging:
         tokenizer.save_pretrained(staging)
-        try:
-            staging.rename(target)
-        except OSError:
-            if not (target / "tokenizer_config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return tokenizer
 
 
