@@ -3,7 +3,7 @@
     python -m specdec.gguf.build          # what ``make setup`` runs; a no-op when already built
 
 PyPI carries llama.cpp only as llama-cpp-python's source, so setup builds it: the sdist (pinned
-by version and sha256, fetched from the package index or named by ``$SPECDEC_LLAMA_CPP_SDIST``),
+by version and sha256, fetched with pip from the package index or named by ``$SPECDEC_LLAMA_CPP_SDIST``),
 CMake on its ``vendor/llama.cpp``, the ``llama`` library target only (no tools, no ``common``),
 and ``native/specdec_llama.c`` linked to it. Portable: no ``-march=native`` (which ties a build
 to one host and crashed on the Intel hosts' AMX paths). Two ``ggml-cpu`` variants are built and
@@ -22,15 +22,12 @@ import argparse
 import hashlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +38,6 @@ SDIST_VERSION = "0.3.36"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 SDIST_ENV = "SPECDEC_LLAMA_CPP_SDIST"  # a local sdist file (offline setups)
 LIBRARY_ENV = "SPECDEC_LLAMA_CPP_DIR"  # a finished build directory to use instead of the cache's
-INDEX_URL = "https://pypi.org/simple"
 SHIM = Path(__file__).resolve().parent / "native" / "specdec_llama.c"
 
 COMMON_FLAGS = (
@@ -111,33 +107,20 @@ def built_dir() -> Path | None:
     return candidate if (candidate / "build.json").is_file() else None
 
 
-def _sdist_url() -> str:
-    index = os.environ.get("PIP_INDEX_URL", INDEX_URL).rstrip("/")
-    with urllib.request.urlopen(f"{index}/{SDIST_NAME}/", timeout=60) as response:
-        page = response.read().decode()
-    filename = f"{SDIST_NAME.replace('-', '_')}-{SDIST_VERSION}.tar.gz"
-    match = re.search(rf'href="([^"]*{re.escape(filename)})[^"]*"', page)
-    if match is None:
-        raise BuildError(f"{index}/{SDIST_NAME}/ lists no {filename}; set {SDIST_ENV} to a downloaded copy")
-    return urllib.parse.urljoin(f"{index}/{SDIST_NAME}/", match.group(1))
-
-
 def fetch_sdist(downloads: Path) -> Path:
-    """The pinned sdist, from ``$SPECDEC_LLAMA_CPP_SDIST``, the cache, or the package index; its
-    sha256 checked."""
+    """The pinned sdist, from ``$SPECDEC_LLAMA_CPP_SDIST``, the cache, or the package index through pip
+    (its index, proxy and certificate settings apply); its sha256 checked."""
     local = os.environ.get(SDIST_ENV)
-    path = Path(local) if local else downloads / f"{SDIST_NAME}-{SDIST_VERSION}.tar.gz"
+    path = Path(local) if local else downloads / f"{SDIST_NAME.replace('-', '_')}-{SDIST_VERSION}.tar.gz"
     if not path.is_file():
         downloads.mkdir(parents=True, exist_ok=True)
-        url = _sdist_url()
-        print(f"fetching {url}", file=sys.stderr)
-        partial = path.with_suffix(".part")
-        try:
-            with urllib.request.urlopen(url, timeout=300) as response, open(partial, "wb") as out:
-                shutil.copyfileobj(response, out, 1 << 20)
-        except OSError as exc:
-            raise BuildError(f"cannot download {url}: {exc}; set {SDIST_ENV} to a downloaded copy") from exc
-        partial.rename(path)
+        command = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
+                   "--no-binary", ":all:", f"{SDIST_NAME}=={SDIST_VERSION}", "-d", str(downloads)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0 or not path.is_file():
+            tail = "\n".join((result.stderr or result.stdout).splitlines()[-10:])
+            raise BuildError(f"cannot download {SDIST_NAME} {SDIST_VERSION} with pip; set {SDIST_ENV} to a "
+                             f"downloaded copy:\n{tail}")
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     if digest != SDIST_SHA256:
         raise BuildError(f"{path}: sha256 {digest}, expected {SDIST_SHA256} ({SDIST_NAME} {SDIST_VERSION})")
