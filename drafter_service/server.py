@@ -10,13 +10,11 @@ from specdec import telemetry
 from specdec.drafters import Drafter, DraftSession, ModelDrafter, NgramDrafter
 from specdec.eagle.drafter import EagleDrafter
 from specdec.eagle.target_rows import read_target
-from specdec.gguf.runtime import SequencesExhausted
 from specdec.models import EMBEDDED_DRAFT, EMBEDDED_TARGET, LoadedModel, default_eagle_head, load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.replay import REPLAY_WIRE_METHOD, ReplayDrafter
 from specdec.rpc import convert
 from specdec.rpc.scheduler import BatchingOptions
-from specdec.rpc.server import (NotReady, Overloaded, ServeOptions, ServiceRuntime, idle_guard, map_errors,
-                                map_unary_errors)
+from specdec.rpc.server import NotReady, idle_guard, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
 from specdec.rpc.sessions import ModelWorkerService, validate_session_id
 from specdec.sampling import DraftProposal, SamplingParams, with_random_seed
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, types_pb2
@@ -112,11 +110,7 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
                                          f"({self.max_context})")
                     # Unseeded (a direct client; the gateway always seeds): a fresh seed, not resolved_seed()'s 0.
                     params = with_random_seed(convert.sampling_from_pb(start.sampling, draft_top_k=start.draft_top_k))
-                    self.sessions.admit(context.peer())
-                    try:
-                        session = drafter.start(prompt, params)
-                    except SequencesExhausted as exc:  # a session closing now has not returned its sequence yet
-                        raise Overloaded(str(exc)) from exc
+                    session = self.start_session(context.peer(), lambda: drafter.start(prompt, params))
                     key = self.sessions.open(start.session_id, session, cancelled, peer=context.peer())
                     await self._run(session.prefill)
                     if trace is not None:

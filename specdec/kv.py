@@ -6,7 +6,7 @@ import torch
 
 from specdec.gguf.runtime import GgufKV
 from specdec.lean.kv import LeanKV
-from specdec.lm import LoadedModel
+from specdec.lm import PACKED_CACHES, LoadedModel
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -134,7 +134,7 @@ class KVSession:
     def rollback_to(self, length: int) -> None:
         """Make cache and ``cached_tokens`` agree on the first ``length`` positions (after a failed
         pass, which may have grown some layers and not others)."""
-        if isinstance(self.cache, (LeanKV, GgufKV)):  # a failed pass never moved the length; a rollback may
+        if self.packed_cache is not None:  # a failed pass never moved the length; a rollback may
             self.cache.crop(min(self.cache.length, length))
         else:
             for layer in self.cache.layers if self.cache is not None else ():
@@ -184,7 +184,7 @@ class KVSession:
     def packed_cache(self) -> LeanKV | GgufKV | None:
         """The cache when it is the lean or gguf runtime's (batched passes run that runtime's
         ``forward``), else None."""
-        return self.cache if isinstance(self.cache, (LeanKV, GgufKV)) else None
+        return self.cache if isinstance(self.cache, PACKED_CACHES) else None
 
     @property
     def growing_layers(self) -> list[GrowingKVLayer] | None:

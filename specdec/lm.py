@@ -25,6 +25,8 @@ from specdec.lean.kv import LeanKV
 # FR-Spec: a draft directory may restrict its LM head to these token ids (a JSON list). The draft then
 # never proposes other ids (q = 0 there), which exact acceptance handles; the head costs a fraction.
 HEAD_TOKEN_IDS_FILE = "head_token_ids.json"
+# The caches of the runtimes whose forward packs several sessions into one pass (``packed_runtime``).
+PACKED_CACHES = (LeanKV, GgufKV)
 
 
 class ModelLoadError(RuntimeError):
@@ -157,7 +159,7 @@ class LoadedModel:
     def forward(self, input_ids: list[int], cache, num_logits: int, on_device: bool = False) -> torch.Tensor:
         """Feed ``input_ids`` after what ``cache`` holds; return fp32 logits [num_logits, V], on the
         host or (``on_device``) where the model runs."""
-        if isinstance(cache, (LeanKV, GgufKV)):
+        if isinstance(cache, PACKED_CACHES):
             return logits_to(self.packed_runtime.forward([cache], [input_ids], [num_logits]), on_device)
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         return self.forward_rows(ids, cache, num_logits, on_device=on_device)[0]

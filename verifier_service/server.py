@@ -9,13 +9,11 @@ import time
 
 from specdec import telemetry
 from specdec.costs import measure_forward_curve
-from specdec.gguf.runtime import SequencesExhausted
 from specdec.models import MAX_VOCAB_PADDING, LoadedModel, load_model
 from specdec.rpc import convert
 from specdec.ragged import BatchInfo
 from specdec.rpc.scheduler import BatchingOptions
-from specdec.rpc.server import (NotReady, Overloaded, ServeOptions, ServiceRuntime, idle_guard, map_errors,
-                                map_unary_errors)
+from specdec.rpc.server import NotReady, idle_guard, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
 from specdec.rpc.sessions import ModelWorkerService, validate_session_id
 from specdec.sampling import DraftProposal, with_random_seed
 from specdec.target_features import WIRE_DTYPE
@@ -102,12 +100,8 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                         raise ValueError(f"sampling.max_new_tokens: {params.max_new_tokens} exceeds this verifier's "
                                          f"cap ({self.max_new_tokens_cap}; --max-new-tokens-cap)")
                     budget = len(prompt) + params.max_new_tokens  # the committed length never passes it
-                    self.sessions.admit(context.peer())
-                    try:
-                        session = TargetSession(lm, prompt, params, want_features=start.want_features,
-                                                feature_window=self.feature_window(lm))
-                    except SequencesExhausted as exc:  # a session closing now has not returned its sequence yet
-                        raise Overloaded(str(exc)) from exc
+                    session = self.start_session(context.peer(), lambda: TargetSession(
+                        lm, prompt, params, want_features=start.want_features, feature_window=self.feature_window(lm)))
                     key = self.sessions.open(start.session_id, session, cancelled, peer=context.peer())
                     verdict, chunks = await self._prefill(session)
                     self.metrics.tokens.inc(len(verdict.tokens))

@@ -128,6 +128,18 @@ class ModelWorkerService:
             log.info("%s: %d sessions at most (the gguf context's sequences; $SPECDEC_GGUF_SEQUENCES)",
                      self.role, sequences)
 
+    def start_session(self, peer: str, make):
+        """``make()``'s new session once ``peer`` may open one (``Overloaded`` otherwise, before any state
+        is made); a model context out of sequences is overload too (a session closing now has not
+        returned its sequence yet)."""
+        from specdec.gguf.runtime import SequencesExhausted
+
+        self.sessions.admit(peer)
+        try:
+            return make()
+        except SequencesExhausted as exc:
+            raise Overloaded(str(exc)) from exc
+
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
