@@ -110,8 +110,8 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
                                          f"({self.max_context})")
                     # Unseeded (a direct client; the gateway always seeds): a fresh seed, not resolved_seed()'s 0.
                     params = with_random_seed(convert.sampling_from_pb(start.sampling, draft_top_k=start.draft_top_k))
-                    session = self.start_session(context.peer(), lambda: drafter.start(prompt, params))
-                    key = self.sessions.open(start.session_id, session, cancelled, peer=context.peer())
+                    session, key = await self.start_session(context.peer(), start.session_id,
+                                                            lambda: drafter.start(prompt, params), cancelled)
                     await self._run(session.prefill)
                     if trace is not None:
                         trace.set(session_id=key, prompt_tokens=len(prompt), **{"draft.method": drafter.name})

@@ -8,6 +8,7 @@ overload, not as a fault.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -134,7 +135,9 @@ def _verify_info(address: str) -> verifier_pb2.GetVerifierInfoResponse:
 
 @contextlib.contextmanager
 def sessions_held(verifier, count: int):
-    """``count`` sessions opened on the verifier and held (each past its prefill) until the block ends."""
+    """``count`` sessions opened on the verifier and held (each past its prefill) until the block ends,
+    once the gateway's sessions of earlier requests have ended there."""
+    _until_idle(verifier)
     release = threading.Event()
 
     def held(session_id: str):
@@ -153,7 +156,11 @@ def sessions_held(verifier, count: int):
             release.set()
             for call in calls:
                 call.cancel()
-    deadline = time.monotonic() + 10
+    _until_idle(verifier)
+
+
+def _until_idle(verifier, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
     while _verify_info(verifier.address).load.active_sessions and time.monotonic() < deadline:
         time.sleep(0.1)
 
@@ -213,3 +220,49 @@ def test_specdec_up_on_the_embedded_default_serves_it_on_gguf(monkeypatch, tmp_p
     assert result.token_ids == in_process(lm, result.prompt_token_ids, params)
     assert result.stats["draft_tokens"] > 0
     assert "gguf runtime" in log_path.read_text()
+
+
+async def test_a_session_started_as_another_closes_gets_its_sequence(files, monkeypatch):
+    """One sequence, and the model thread busy while a session ends: its sequence goes back on that
+    thread, after the pass in progress. A session started once the slot is free waits for that, not
+    refused as if the context were full."""
+    from specdec.rpc import convert
+    from specdec.rpc.server import ServeOptions, ServiceRuntime
+    from tests.harness import free_port
+    from verifier_service.server import SERVICE_NAME, VerifierService
+
+    monkeypatch.setenv(RUNTIME_ENV, "gguf")
+    runtime = ServiceRuntime(SERVICE_NAME, ServeOptions(port=free_port()))
+    service = VerifierService(runtime, max_sessions=1)
+    verifier_pb2_grpc.add_VerifierServicer_to_server(service, runtime.server)
+    port = await runtime.start()
+    busy = threading.Event()
+    try:
+        await service.load(str(files["q4_1"]), device="cpu")
+        assert service.lm.gguf is not None and service.lm.gguf.context.sequences == 1
+        params = convert.sampling_to_pb(SamplingParams(max_new_tokens=8, ignore_eos=True))
+
+        def start(session_id: str) -> verifier_pb2.VerifyRequest:
+            return verifier_pb2.VerifyRequest(start=verifier_pb2.VerifyStart(
+                session_id=session_id, prompt_token_ids=[5, 6, 7], sampling=params))
+
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            first = stub.Verify()
+            await first.write(start("first"))
+            assert len((await first.read()).token_ids) == 1
+            service.executor.submit(busy.wait, 30)  # a long pass: the first session's close queues behind it
+            first.cancel()
+            deadline = time.monotonic() + 10
+            while len(service.sessions):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            second = stub.Verify()
+            await second.write(start("second"))
+            await asyncio.sleep(0.2)  # the start has reached the service
+            busy.set()
+            assert len((await second.read()).token_ids) == 1
+            await second.done_writing()
+    finally:
+        busy.set()
+        await runtime.server.stop(0)

@@ -100,9 +100,9 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                         raise ValueError(f"sampling.max_new_tokens: {params.max_new_tokens} exceeds this verifier's "
                                          f"cap ({self.max_new_tokens_cap}; --max-new-tokens-cap)")
                     budget = len(prompt) + params.max_new_tokens  # the committed length never passes it
-                    session = self.start_session(context.peer(), lambda: TargetSession(
-                        lm, prompt, params, want_features=start.want_features, feature_window=self.feature_window(lm)))
-                    key = self.sessions.open(start.session_id, session, cancelled, peer=context.peer())
+                    session, key = await self.start_session(context.peer(), start.session_id, lambda: TargetSession(
+                        lm, prompt, params, want_features=start.want_features, feature_window=self.feature_window(lm)),
+                        cancelled)
                     verdict, chunks = await self._prefill(session)
                     self.metrics.tokens.inc(len(verdict.tokens))
                     if trace is not None:

@@ -128,17 +128,28 @@ class ModelWorkerService:
             log.info("%s: %d sessions at most (the gguf context's sequences; $SPECDEC_GGUF_SEQUENCES)",
                      self.role, sequences)
 
-    def start_session(self, peer: str, make):
-        """``make()``'s new session once ``peer`` may open one (``Overloaded`` otherwise, before any state
-        is made); a model context out of sequences is overload too (a session closing now has not
-        returned its sequence yet)."""
+    async def start_session(self, peer: str, session_id: str, make, cancelled: asyncio.Event | None = None):
+        """``(session, key)``: ``make()``'s new session, registered, once ``peer`` may open one
+        (``Overloaded`` otherwise, before any state is made). ``make`` runs on the model thread, so
+        the sessions closed before it have returned their state (a gguf context's sequence) by then;
+        a context out of sequences all the same is overload too."""
         from specdec.gguf.runtime import SequencesExhausted
 
         self.sessions.admit(peer)
+        making = asyncio.ensure_future(self._run(make))
         try:
-            return make()
+            session = await asyncio.shield(making)
         except SequencesExhausted as exc:
             raise Overloaded(str(exc)) from exc
+        except asyncio.CancelledError:  # the stream ended meanwhile: what was made is freed when it is done
+            making.add_done_callback(lambda done: done.cancelled() or done.exception() is not None
+                                     or self.sessions.release(done.result()))
+            raise
+        try:
+            return session, self.sessions.open(session_id, session, cancelled, peer=peer)
+        except BaseException:  # another stream took the last slot while this one was made
+            self.sessions.release(session)
+            raise
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
