@@ -200,6 +200,16 @@ class ShadowProbe:
     timed: bool = True  # its time measures drafting (False: it also opened the drafter's session)
     sent_s: float = field(default_factory=time.perf_counter)
     answered_s: float | None = None
+    beside_s: float = 0.0  # time of the plain rounds verified while the drafter worked on it
+    beside_rounds: int = 0
+
+    def note_round(self, verify_started: float, verify_s: float) -> bool:
+        """Count a plain round whose verification began before the drafter answered; True if it did."""
+        if self.answered_s is not None and self.answered_s <= verify_started:
+            return False
+        self.beside_s += verify_s
+        self.beside_rounds += 1
+        return True
 
     def __post_init__(self) -> None:
         self.task.add_done_callback(lambda _: setattr(self, "answered_s", time.perf_counter()))
@@ -368,11 +378,14 @@ async def generate(
                                      t1 - t0, t2 - t1, t0,
                                      verdict.features.wire_bytes if verdict.features is not None else 0))
             batch = verdict.batch
+            beside_probe = shadow is not None and drafted == 0 and shadow.note_round(t1, t2 - t1)
             policy.observe(RoundObservation(drafted, verdict.num_accepted, t1 - t0, t2 - t1,
-                                            batch.size if batch is not None else 0, batch.tokens if batch is not None else 0))
+                                            batch.size if batch is not None else 0, batch.tokens if batch is not None else 0,
+                                            beside_probe))
             outcome = shadow.outcome(committed) if shadow is not None else None
             if outcome is not None:
-                policy.observe_shadow(*outcome, draft_s=shadow.draft_s)
+                policy.observe_shadow(*outcome, draft_s=shadow.draft_s, beside_s=shadow.beside_s,
+                                      beside_rounds=shadow.beside_rounds)
                 stats.shadow_probes += 1
                 stats.shadow_accepted += outcome[1]
                 shadow = None

@@ -276,6 +276,25 @@ def test_compute_bound_borrows_draft_costs_and_counts_prefill():
     assert out["measured"] == pytest.approx(1.0) and out["measured_over_bound"] == pytest.approx(1.0 / out["bound"])
 
 
+def test_k0_rounds_against_plain_per_system():
+    """Each system's rounds without drafts (wait for the verdict + the loop's own time) against the
+    baseline's, measured the same way; a system with no such rounds is left out."""
+    records = {
+        "baseline": [_record("baseline", 101, 0.5, {0: (100, 10.0, 100, 0.0)})],  # 100 ms + 1 ms a round
+        "spec": [_record("spec", 101, 0.5, {0: (80, 8.8, 80, 0.0), 2: (20, 3.0, 20, 0.4)})],
+        "spec-k=4": [_record("spec-k=4", 101, 0.5, {4: (30, 4.5, 30, 1.2)})],
+    }
+    summaries = {name: {} for name in records}
+    out = bench_bound.k0_rounds_against_plain(summaries, records)
+    assert set(out) == {"baseline", "spec"}
+    assert out["baseline"]["k0_round_s"] == pytest.approx(0.101) and out["baseline"]["over_plain"] == pytest.approx(1.0)
+    assert (out["spec"]["k0_rounds"], out["spec"]["rounds"]) == (80, 100)
+    assert out["spec"]["k0_round_s"] == pytest.approx(0.111)  # 110 ms + 1 ms
+    assert out["spec"]["over_plain"] == pytest.approx(0.111 / 0.101)
+    text = "\n".join(report.render_k0_rounds(out))
+    assert "| spec | 80 / 100 | 0 | 111.00 | 1.099 |" in text
+
+
 def test_prefix_acceptance_over_every_start_position():
     rates, starts = teacher_forced.prefix_acceptance([[True, True, False, True]], 3)
     # starts 0..3 accept runs of 2, 1, 0, 1; depth j needs j tokens after the start
@@ -349,6 +368,8 @@ def test_builtin_prompt_sets():
     assert [c.id for c in he] == ["HumanEval/0", "HumanEval/1"]
     assert all(c.category == "humaneval" and not c.chat for c in he)
     assert len(prompts.load_prompts("mt_bench,humaneval")) == 80 + 164
+    translation = prompts.load_prompts("translation", limit=6)  # six language pairs, one each
+    assert len({c.category for c in translation}) == 6 and all(c.chat and len(c.turns) == 1 for c in translation)
     with pytest.raises(ValueError, match="--prompts"):
         prompts.load_prompts("no_such_set")
 
@@ -537,6 +558,8 @@ def test_bench_up_tiny(tiny_pair, prompt_file, tmp_path):
     assert summary["systems"]["baseline"]["acceptance_rate"] is None
     assert set(summary["systems"]["spec-k=2"]["k_counts"]) <= {"0", "1", "2"}
     assert summary["speedup"]["spec_vs_baseline"] > 0
+    assert summary["k0_rounds"]["baseline"]["over_plain"] == pytest.approx(1.0)
+    assert all(r["k0_round_s"] > 0 for r in summary["k0_rounds"].values())
     assert math.isfinite(summary["speedup"]["measured_over_bound"])
     split = summary["split_prediction"]  # the split model at this run's delay, beside the measured systems
     assert split["one_way_delay_s"] == pytest.approx(0.003) and split["baseline_tokens_per_s"] > 0
@@ -622,6 +645,7 @@ def test_bench_concurrency_sweep_up_tiny(tiny_pair, prompt_file, tmp_path):
         assert points[0]["mean_batch_size"] == 1.0  # one stream: every pass serves it alone
     assert (out / "concurrency_scaling.png").read_bytes()[:8] == PNG_MAGIC
     assert "| spec / baseline |" in (out / "concurrency.md").read_text()
+    assert all(len(ratios) == 2 for ratios in sweep["k0_over_plain"].values())
 
 
 def test_concurrency_levels_parse():

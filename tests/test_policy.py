@@ -570,7 +570,8 @@ def test_probes_skipped_where_not_even_a_high_acceptance_would_pay():
     # for that, so no probe is worth its cost (before the shared-pass model: a few, while the
     # acceptance estimate was loose).
     assert all(i < 200 for i in first), first
-    assert loaded.probes_skipped > 50
+    # Once settled, a skipped probe is asked again at each evaluation (every k0_recheck_every rounds).
+    assert loaded.probes_skipped > 100 // loaded.config.k0_recheck_every
     alone = AdaptiveDraftLength(forward_curve=forward)
     assert len([i for i in run(alone, 300, batch=1) if i >= 200]) >= 2  # same acceptance: probes go on
     assert alone.probes_skipped == 0
@@ -687,3 +688,56 @@ def test_adaptive_policy_in_the_engine_keeps_output_exact(tiny_target, monkeypat
     assert memory.get(AcceptanceMemory.make_key("scripted", "right", "tiny")).alpha > 0.9
     # From the 0.6 prior to the wrong drafter's probes: every one failed (with the tick clock, 0.117 every run).
     assert memory.get(AcceptanceMemory.make_key("scripted", "wrong", "tiny")).alpha < 0.15
+
+
+def test_shadow_probes_stop_where_their_measured_cost_outweighs_what_they_could_gain():
+    """Each shadow probe's cost is measured as what the plain rounds beside it cost beyond plain rounds.
+    With the drafter on the verifier's machine its catch-up slows those rounds: probes back off as far
+    as that cost says, the slowed rounds do not pass for plain ones, and a probe that could not repay
+    its cost even if drafting paid at its best for the rest of the request is skipped (settled at
+    k = 0). With the drafter elsewhere (no slowdown) the same session probes far more often. The next
+    session starts from the memory's measured costs."""
+    forward = [0.010, 0.014, 0.018, 0.022, 0.026, 0.030]  # a draft token costs 40 % of a step
+    accepted = geometric(0.35, 3)
+
+    def run(p, rounds: int, beside_extra_s: float) -> tuple[list[int], list[float]]:
+        """A request of ``rounds`` tokens with shadow probes answered a round later; the rounds that
+        started one, and the plain round's cost the policy has learned after each round."""
+        started, learned, probe = [], [], None
+        for i in range(rounds):
+            k = p.choose(rounds - i - 1)
+            if k > 0 and p.probing:
+                p.start_shadow_probe()
+                probe, k = [k, accepted(k, i), 0.0, 0], 0
+                started.append(i)
+            beside = probe is not None and k == 0
+            verify_s = 0.012 + 0.004 * k + (beside_extra_s if beside else 0.0)
+            if beside:
+                probe[2] += verify_s
+                probe[3] += 1
+            p.observe(RoundObservation(k, accepted(k, i), 0.002 * k, verify_s, 1, k + 1, beside))
+            if probe is not None and i - started[-1] >= 1:
+                p.observe_shadow(probe[0], probe[1], draft_s=0.002, beside_s=probe[2], beside_rounds=probe[3])
+                probe = None
+            learned.append(p.verify.curve(0)[0])
+        return started, learned
+
+    memory = AcceptanceMemory()
+    key = ("model", "draft", "target")
+    shared = AdaptiveDraftLength(forward_curve=forward, memory=memory, key=key)
+    probes, learned = run(shared, 600, beside_extra_s=0.060)  # a probe: two rounds at +60 ms
+    apart = AdaptiveDraftLength(forward_curve=forward)
+    probes_apart, _ = run(apart, 600, beside_extra_s=0.0)
+    assert 0 < 2 * len(probes) < len(probes_apart), (probes, probes_apart)
+    assert max(learned[50:]) < 0.0125  # the slowed rounds are the probes' cost, not the plain round's
+    assert shared.draft.probe.value == pytest.approx(0.120, rel=0.05)
+    shared.close()
+    # The next sessions on this deployment start from what probes cost. A request of 60 tokens: the
+    # first opens the drafter's session with its first probe (that cost unmeasured yet), then could
+    # not repay another; the one after it does not open the drafter at all.
+    for opening_probes in (1, 0):
+        short = AdaptiveDraftLength(forward_curve=forward, memory=memory, key=key)
+        assert short.draft.probe.value == pytest.approx(0.120, rel=0.05)
+        probes_short, _ = run(short, 60, beside_extra_s=0.060)
+        assert len(probes_short) == opening_probes and short.settled and short.probes_skipped > 0
+        short.close()

@@ -95,37 +95,41 @@ def test_greedy_through_gateway_equals_target_only(stack, tiny_target, method):
 def test_adaptive_sessions_probe_in_the_shadow_and_stay_exact(tiny_pair, tiny_target, tmp_path):
     """With a draft that never agrees (random weights), adaptive greedy sessions fall back to plain
     decoding and keep measuring acceptance with shadow probes: drafted beside plain rounds, scored
-    against the committed tokens, never verified. Once the gateway has learned that, a session opens
-    its drafter session only at its first probe (none at all if it ends before one)."""
+    against the committed tokens, never verified. A session opens its drafter session only when it
+    drafts or probes (none at all if it ends before a probe, or if no probe could repay its measured
+    cost in what the request has left)."""
     stack = start_stack(tiny_pair[1], tiny_pair[2], tmp_path, metrics=True)
     drafter_sessions = 'specdec_requests_total{role="drafter"}'
     try:
         with GatewayClient(stack.gateway.address, timeout=120) as client:
-            probes = 0
+            probes = opened = 0
             for prompt in PROMPTS[:4]:
                 result = client.generate(prompt=prompt, max_new_tokens=96, method="model", num_draft_tokens=0,
                                          ignore_eos=True)
                 assert result.token_ids == hf_greedy(tiny_target, list(result.prompt_token_ids), 96)
                 stats = result.stats
                 probes += stats["shadow_probes"]
+                opened += stats["shadow_probes"] > 0 or stats["draft_tokens"] > 0
                 assert stats["shadow_accepted"] <= stats["shadow_probes"]
-                # After the first rounds (the initial k), every round verifies nothing: probes ran beside.
-                assert sum(stats["k_history"][8:]) == 0, stats["k_history"]
-            assert probes >= 8
-            assert scrape_metric(stack.drafters[0], drafter_sessions) == 4
+                # After the first rounds (the initial k), no round verifies drafts: probes ran beside.
+                history = stats["k_history"]
+                assert sum(history[len(history) // 4:]) == 0, history
+            assert probes > 0  # the first session probed: nothing was known of what probes cost
+            assert scrape_metric(stack.drafters[0], drafter_sessions) == opened
 
             # Three tokens: prefill and two plain rounds, fewer than the rounds before a first probe.
             short = client.generate(prompt=PROMPTS[4], max_new_tokens=3, method="model", num_draft_tokens=0,
                                     ignore_eos=True)
             assert short.token_ids == hf_greedy(tiny_target, list(short.prompt_token_ids), 3)
             assert short.stats["k_history"] == [0, 0] and short.stats["shadow_probes"] == 0
-            assert scrape_metric(stack.drafters[0], drafter_sessions) == 4  # never opened
+            assert scrape_metric(stack.drafters[0], drafter_sessions) == opened  # never opened
 
             late = client.generate(prompt=PROMPTS[5], max_new_tokens=48, method="model", num_draft_tokens=0,
                                    ignore_eos=True)
             assert late.token_ids == hf_greedy(tiny_target, list(late.prompt_token_ids), 48)
-            assert late.stats["shadow_probes"] > 0  # the drafter prefilled at the first probe, then caught up
-            assert scrape_metric(stack.drafters[0], drafter_sessions) == 5
+            assert late.stats["draft_tokens"] == 0  # the gateway had learned: plain decoding from the start
+            # Opened at its first probe if it had one (the drafter prefilled then, and caught up after).
+            assert scrape_metric(stack.drafters[0], drafter_sessions) == opened + (late.stats["shadow_probes"] > 0)
         assert active_sessions(stack.drafters[0].address, "drafter") == 0
     finally:
         stack.stop()

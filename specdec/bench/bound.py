@@ -65,6 +65,32 @@ def decode_round_s(records: Sequence[RequestRecord]) -> float | None:
 
 
 
+def k0_round_s(records: Sequence[RequestRecord]) -> tuple[int, float] | None:
+    """(rounds, seconds) of the rounds that verified no drafts: their mean wait for the verdict plus
+    the loop's own time per round; None without such rounds (a gateway older than ``round_costs``)."""
+    plain = pooled_round_costs(records).get(0)
+    if not plain or not plain["rounds"]:
+        return None
+    return plain["rounds"], plain["verify_s"] / plain["rounds"] + overhead_per_round(records)
+
+
+def k0_rounds_against_plain(summaries: dict, all_records: dict) -> dict:
+    """Per system, its rounds without drafts against plain decoding's (the baseline's, measured the
+    same way): what a session that is not drafting pays for being speculative (issue #46's tax)."""
+    plain = k0_round_s(all_records.get("baseline", [])) if "baseline" in summaries else None
+    out = {}
+    for name in summaries:
+        own = k0_round_s(all_records.get(name, []))
+        if own is None:
+            continue
+        done = _completed(all_records[name])
+        out[name] = {"k0_rounds": own[0], "k0_round_s": own[1],
+                     "rounds": sum(int(r.stats.get("rounds", 0)) for r in done),
+                     "shadow_probes": sum(int(r.stats.get("shadow_probes", 0)) for r in done),
+                     "over_plain": ratio(own[1], plain[1]) if plain else None}
+    return out
+
+
 def prefill_per_token(prefill_records: Sequence[RequestRecord], records: Sequence[RequestRecord]) -> float:
     """The time before the first token, per decoded token: the mean TTFT of ``prefill_records`` (the
     baseline's, whose prefill is plain) times the number of ``records``, over their decoded tokens."""

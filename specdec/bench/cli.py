@@ -16,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from specdec.bench import llamacpp, plots
-from specdec.bench.bound import compute_bound, machine_info
+from specdec.bench.bound import compute_bound, k0_rounds_against_plain, machine_info
 from specdec.bench.load import effective_rounds, parse_concurrency, run_system
 from specdec.bench.model_cache import ModelCache
 from specdec.bench.metrics import (
@@ -65,7 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for local models (default: torch's; 1 is faster on a busy machine)")
     p.add_argument("--prompts", default="mt_bench",
-                   help="comma-separated: mt_bench, humaneval or JSONL paths (MT-bench or HumanEval format)")
+                   help="comma-separated: mt_bench, humaneval, translation (ours: drafts weak there) or JSONL paths "
+                        "(MT-bench or HumanEval format)")
     p.add_argument("--limit", type=int, default=None, help="items per prompt set (categories taken in turn)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -344,6 +345,7 @@ def run_bench(args) -> dict:
         # The headline ratio's spread over the interleaved rounds (None with one round).
         "spec_vs_baseline_by_round": paired_round_ratios(summaries, spec_reference(summaries)) if rounds > 1 else None,
         "bound": bound,
+        "k0_rounds": k0_rounds_against_plain(summaries, all_records),
         # llama.cpp's systems: the file and threads they ran with, the GGUF and fp32 forward curves
         "llamacpp": llamacpp.peer_summary(args, models, measured, runners),
     }
@@ -401,6 +403,9 @@ def run_sweep(args) -> dict:
         "vs_llamacpp": {name: [runs[level]["speedup"].get(f"{name}_vs_{LLAMACPP}") for level in levels]
                         for name in systems if any(LLAMACPP in runs[level]["systems"] for level in levels)
                         and name != LLAMACPP},
+        "k0_over_plain": {name: [(runs[level].get("k0_rounds") or {}).get(name, {}).get("over_plain") for level in levels]
+                          for name in systems if name != "baseline"
+                          and any(name in (runs[level].get("k0_rounds") or {}) for level in levels)},
     }
     for name, points in sweep["systems"].items():
         first = points[0]["tokens_per_s"]
@@ -438,6 +443,8 @@ def _main(args) -> int:
             for name, points in sweep["systems"].items():
                 print(f"  {name:>12}: " + ", ".join(f"c={p['concurrency']} {p['tokens_per_s']:.2f} tok/s" for p in points))
             print("  spec/baseline: " + ", ".join(fmt(v, digits=3) for v in sweep["spec_vs_baseline"]))
+            for name, ratios in sweep["k0_over_plain"].items():
+                print(f"  {name} k = 0 round ÷ plain round: " + ", ".join(fmt(v, digits=3) for v in ratios))
             return 1 if any(p["errors"] for points in sweep["systems"].values() for p in points) else 0
         summary = run_bench(args)
     except (ValueError, ModelLoadError) as exc:
@@ -454,6 +461,10 @@ def _main(args) -> int:
         print("  speedup: " + ", ".join(f"{k} {v:.3f}" for k, v in sp.items()))
     if by_round := summary.get("spec_vs_baseline_by_round"):
         print(f"  {by_round['pair'][0]}/{by_round['pair'][1]} by round: {format_round_ratios(by_round)}")
+    for name, r in (summary.get("k0_rounds") or {}).items():
+        if name != "baseline":
+            print(f"  {name:>12}: k = 0 round {fmt(r['k0_round_s'], 1e3, 2)} ms ({r['k0_rounds']} of {r['rounds']} "
+                  f"rounds), ÷ plain round {fmt(r['over_plain'], digits=3)}")
     for point in (summary.get("acceptance_sweep") or {}).get("points", []):
         print(f"  {point['system']:>16}: α measured {fmt(point['alpha_measured'], digits=3)}, "
               f"spec/baseline {fmt(point['speedup'], digits=3)}, bound {fmt(point['bound'], digits=3)}, "

@@ -10,6 +10,7 @@ from pathlib import Path
 BUILTIN_PROMPTS = {
     "mt_bench": ("mt_bench", "question.jsonl"),
     "humaneval": ("humaneval", "HumanEval.jsonl.gz"),
+    "translation": ("translation", "prompts.jsonl"),  # ours: where drafts are weak (issue #46)
 }
 
 
@@ -70,7 +71,7 @@ def select_round_robin(items: list[Conversation], limit: int | None) -> list[Con
 
 
 def load_prompts(spec: str, limit: int | None = None) -> list[Conversation]:
-    """``spec``: comma-separated built-in names (mt_bench, humaneval) or JSONL paths (.gz ok).
+    """``spec``: comma-separated built-in names (``BUILTIN_PROMPTS``) or JSONL paths (.gz ok).
 
     ``limit`` applies to each set, taking its categories in turn.
     """

@@ -23,6 +23,23 @@ def format_round_ratios(by_round: dict) -> str:
     return ", ".join(f"{r:.2f}" for r in by_round["ratios"]) + f" (mean {by_round['mean']:.3f}{spread})"
 
 
+def render_k0_rounds(k0_rounds: dict) -> list[str]:
+    """Each system's rounds without drafts against the baseline's plain rounds (the tax of being
+    speculative while not drafting); nothing when no system other than the baseline has them."""
+    if not any(name != "baseline" for name in k0_rounds):
+        return []
+    lines = ["The k = 0 round (verified no drafts) against the plain round: the mean wait for the verdict "
+             "plus the loop's own time per round, each system's own rounds; ÷ plain is against the baseline's "
+             "rounds measured the same way.", "",
+             "| system | k = 0 rounds / all rounds | shadow probes | k = 0 round (ms) | ÷ plain |",
+             "|---|---:|---:|---:|---:|"]
+    for name, r in k0_rounds.items():
+        lines.append(f"| {name} | {r['k0_rounds']} / {r['rounds']} | {r['shadow_probes']} "
+                     f"| {fmt(r['k0_round_s'], 1e3, 2)} | {fmt(r['over_plain'], digits=3)} |")
+    lines.append("")
+    return lines
+
+
 def render_report(summary: dict) -> str:
     cfg, systems, speed, bound = summary["config"], summary["systems"], summary["speedup"], summary["bound"]
     machine = summary["machine"]
@@ -88,6 +105,7 @@ def render_report(summary: dict) -> str:
                   "service and pass times; the pass is the target's forward plus acceptance):", ""]
         lines += [f"- {name}: {describe_breakdown(b)}" for name, b in breakdowns.items()]
         lines.append("")
+    lines += render_k0_rounds(summary.get("k0_rounds") or {})
     errors = {n: s["first_error"] for n, s in systems.items() if s.get("first_error")}
     for name, err in errors.items():
         lines.append(f"- first error of {name}: `{err}`")
@@ -294,5 +312,7 @@ def render_sweep(sweep: dict) -> str:
                       if b else "–" for b in by_round) + " |"]
     for name, ratios in (sweep.get("vs_llamacpp") or {}).items():
         lines.append(f"| {name} / {LLAMACPP} | " + " | ".join(fmt(v, digits=3) for v in ratios) + " |")
+    for name, ratios in (sweep.get("k0_over_plain") or {}).items():
+        lines.append(f"| {name}: k = 0 round ÷ plain round | " + " | ".join(fmt(v, digits=3) for v in ratios) + " |")
     lines += ["", f"![concurrency scaling]({sweep['plot']})", ""]
     return "\n".join(lines)

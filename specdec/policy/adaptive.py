@@ -129,6 +129,9 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         self._spec_rounds = 0
         self._catch_up = True  # the drafter has unseen tokens (session start, after k = 0 rounds)
         self._shadow_pending = False  # a shadow probe's outcome is still to come
+        self._recheck_at = 0  # settled at k = 0: the round of the next full evaluation (``k0_recheck_every``)
+        self.settled = False  # k = 0, and no probe worth its measured cost in what the request has left
+        self._drafter_open = False  # a proposal was made in this session (the drafter has its prompt)
         self._closed = False
         self.paid = False  # speculation clearly paid earlier in this session
 
@@ -211,8 +214,12 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         budget = self.config.paid_probe_budget if self.paid else self.config.probe_budget
         vcurve = self.verify.curve(self.probe_k)
         if vcurve is not None and budget > 0 and vcurve[0] > 0:
-            # What a probe adds to this session's round, and to the co-batched sessions' pass.
-            extra = (1.0 + self.co_batched) * (vcurve[self.probe_k] - vcurve[0]) + self.draft.predict(self.probe_k)
+            # What a probe adds to this session's round, and to the co-batched sessions' pass: as
+            # measured for shadow probes (the rounds beside them), else a verified probe's cost.
+            if self.draft.probe.value is not None:
+                extra = (1.0 + self.co_batched) * self.draft.probe.value
+            else:
+                extra = (1.0 + self.co_batched) * (vcurve[self.probe_k] - vcurve[0]) + self.draft.predict(self.probe_k)
             if extra <= 0:
                 extra = self.config.draft_token_prior * vcurve[0]  # prior: as if no draft time were seen
             cap = min(cap, math.ceil(extra / (budget * vcurve[0])))
@@ -234,6 +241,21 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         rates = self.expected_rates(bound, optimistic=True)
         return rates is not None and self._best_k(rates) > 0
 
+    def _probe_worth_its_cost(self, bound: int, tokens_left: int, rates: list[float]) -> bool:
+        """A shadow probe's measured cost (``DraftCostModel.probe``, or ``.opening`` for the probe that
+        opens the drafter's session: the rounds beside it, beyond their plain cost; times the sessions
+        sharing those passes) against the most it could gain: the time per token drafting would save
+        at its best case (``expected_rates(optimistic=True)``), over the tokens this request has left.
+        Unmeasured, a probe is worth it (it measures)."""
+        cost = (self.draft.probe if self._drafter_open else self.draft.opening).value
+        if cost is None:
+            return True
+        optimistic = self.expected_rates(bound, optimistic=True)
+        best = max(optimistic[1:], default=0.0) if optimistic is not None else 0.0
+        if best <= rates[0] or rates[0] <= 0:
+            return False
+        return (1.0 / rates[0] - 1.0 / best) * tokens_left > (1.0 + self.co_batched) * cost
+
     def expects_to_draft(self) -> bool:
         """``choose``'s rule without its bookkeeping: ``initial_k`` with nothing known about costs,
         otherwise the best expected rate (plain decoding winning means no draft before the first
@@ -250,29 +272,37 @@ class AdaptiveDraftLength(DraftLengthPolicy):
             self._kind = "forced"
             return 0
         self.rounds += 1
+        if self._kind == "zero" and self.rounds < self._recheck_at:
+            # Settled at k = 0, no acceptance evidence since the last evaluation, no probe due.
+            if not self._shadow_pending:
+                self.zero_run += 1
+            return 0
         rates = self.expected_rates(bound)
         if rates is None:
             self._kind = "initial"
             return min(cfg.initial_k, bound)
         best = self._best_k(rates)
         if best == 0:
-            if self._shadow_pending:  # one probe at a time
-                self._kind = "zero"
+            self._kind = "zero"
+            if self._shadow_pending:  # one probe at a time (its outcome asks for an evaluation)
                 return 0
             self.zero_run += 1
             if self.zero_run > self.probe_interval:
-                if not self._probe_could_pay(bound):
-                    # Its answer could not change the choice: skip it (asked again next round, as
-                    # the costs move with the load).
+                self.settled = not self._probe_worth_its_cost(bound, max_k + 1, rates)
+                if self.settled or not self._probe_could_pay(bound):
+                    # Its answer could not change the choice, or could not repay what it costs:
+                    # skip it (asked again at the next evaluation, as the costs move with the load).
                     self.probes_skipped += 1
-                    self._kind = "zero"
+                    self._recheck_at = self.rounds + cfg.k0_recheck_every
                     return 0
                 self.zero_run = 0
                 self.probes += 1
                 self._kind = "probe"
                 return min(self.probe_k, bound)
-            self._kind = "zero"
+            if self.zero_run >= cfg.k0_recheck_every:  # a settled stretch: again where the probe falls due, or sooner
+                self._recheck_at = self.rounds + min(cfg.k0_recheck_every, self.probe_interval + 1 - self.zero_run)
             return 0
+        self.settled = False
         self.zero_run = 0
         self.probe_interval = self.base_probe_interval
         if rates[best] >= cfg.paid_gain * rates[0]:
@@ -311,7 +341,8 @@ class AdaptiveDraftLength(DraftLengthPolicy):
             decay = self.config.cost_decay
             self.co_batched = decay * self.co_batched + (1.0 - decay) * float(outcome.batch_size - 1)
             others = max(0.0, float(outcome.batch_tokens - (k + 1)) if outcome.batch_tokens > 0 else self.co_batched)
-        self.verify.update(k, float(outcome.verify_s), others)
+        if not (outcome.beside_probe and k == 0):  # a plain round slowed by the drafter's probe is the probe's cost
+            self.verify.update(k, float(outcome.verify_s), others)
         if others is not None:
             self.other_rows = decay * self.other_rows + (1.0 - decay) * others
             self.verify.set_other_rows(self.other_rows)  # the next rounds' passes: the recent mean
@@ -321,6 +352,9 @@ class AdaptiveDraftLength(DraftLengthPolicy):
             else:
                 self.draft.update(k, float(outcome.draft_s))
         self._catch_up = k == 0
+        if k > 0:
+            self._recheck_at = 0  # new acceptance evidence: evaluate next round
+            self._drafter_open = True
         if self._kind == "probe":
             self._probe_outcome(n)
 
@@ -343,10 +377,19 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         self._kind = "shadow"
         self._shadow_pending = True
 
-    def observe_shadow(self, num_drafts: int, num_accepted: int, draft_s: float | None = None) -> None:
+    def observe_shadow(self, num_drafts: int, num_accepted: int, draft_s: float | None = None,
+                       beside_s: float = 0.0, beside_rounds: int = 0) -> None:
+        """A shadow probe's outcome; ``beside_s``: the time of the ``beside_rounds`` plain rounds
+        verified while the drafter worked on it (what they cost beyond plain rounds is the probe's cost)."""
         k = max(0, int(num_drafts))
         n = max(0, min(int(num_accepted), k))
         self._shadow_pending = False
+        self._recheck_at = 0
+        plain = self.verify.curve(0)
+        if beside_rounds > 0 and plain is not None:
+            cost = max(0.0, beside_s - beside_rounds * plain[0])
+            (self.draft.probe if self._drafter_open else self.draft.opening).add(cost)
+        self._drafter_open = True
         self.acceptance.update(k, n)  # the verify costs stay as measured: the round verified no drafts
         if draft_s is not None:
             # A probe is a catch-up too (the drafter first feeds the tokens committed since the

@@ -19,6 +19,7 @@ class RoundObservation:
     verify_s: float
     batch_size: int = 0  # sessions in the verifier's batched pass for this round (0: not reported)
     batch_tokens: int = 0  # tokens that pass fed, every session's (0: not reported)
+    beside_probe: bool = False  # verified while the drafter worked on a shadow probe (its cost, not a plain round's)
 
 
 class DraftLengthPolicy(ABC):
@@ -50,11 +51,13 @@ class DraftLengthPolicy(ABC):
         """The loop runs the probe just chosen beside a plain round instead (see ``observe_shadow``):
         this round verifies no drafts."""
 
-    def observe_shadow(self, num_drafts: int, num_accepted: int, draft_s: float | None = None) -> None:
+    def observe_shadow(self, num_drafts: int, num_accepted: int, draft_s: float | None = None,
+                       beside_s: float = 0.0, beside_rounds: int = 0) -> None:
         """Outcome of a shadow probe: of ``num_drafts`` drafted, the leading ``num_accepted`` equal
         what the target committed there (under greedy decoding exactly what verifying them would have
         accepted). ``draft_s``: how long the drafter took to answer it (None: not a fair measure,
-        e.g. the probe that opened the drafter's session)."""
+        e.g. the probe that opened the drafter's session). ``beside_s``: the time of the
+        ``beside_rounds`` plain rounds verified while the drafter worked on it."""
 
 
 class FixedDraftLength(DraftLengthPolicy):

@@ -121,6 +121,12 @@ class AdaptiveConfig:
     """Longest interval between probes, whatever the cost-derived cap says: even where a probe costs
     a lot, a regime change is noticed within a few hundred rounds."""
 
+    k0_recheck_every: int = 16
+    """Settled at k = 0 (this many plain rounds in a row) with no new acceptance evidence, the policy
+    re-evaluates its rates only every this-many rounds (and when a probe falls due): between probes
+    only the k = 0 cost moves, slowly, and the evaluation's Python runs on the cores the verifier's
+    pass needs when both share a machine."""
+
     probe_budget: float = 0.02
     """The interval stops doubling where the probes' extra cost (to this session and the sessions
     batched with it) is this fraction of the time between them: never probing could gain at most

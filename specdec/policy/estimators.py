@@ -306,6 +306,27 @@ class VerifyCostModel:
         self._cache = None
 
 
+class DecayedMean:
+    """An exponentially weighted mean (None before any sample); its weight saturates at 1 / (1 - decay)."""
+
+    def __init__(self, decay: float = 0.95) -> None:
+        self.decay = decay
+        self.value: float | None = None
+        self.weight = 0.0
+
+    def add(self, sample: float) -> None:
+        self.weight = self.weight * self.decay + 1.0
+        previous = sample if self.value is None else self.value
+        self.value = previous + (sample - previous) / self.weight
+
+    def state(self) -> list[float] | None:
+        return [self.value, self.weight] if self.value is not None else None
+
+    def load(self, state: Sequence[float] | None, max_weight: float) -> None:
+        if state and self.value is None:
+            self.value, self.weight = float(state[0]), min(float(state[1]), max_weight)
+
+
 class DraftCostModel:
     """Draft time of a k-token proposal: overhead (call round trip) + k * per-token time.
 
@@ -320,6 +341,11 @@ class DraftCostModel:
         self.decay = decay
         self.sw = self.sk = self.skk = self.sy = self.sky = 0.0
         self.fallback: tuple[int, float] | None = None
+        # What a shadow probe cost the session's rounds beside it (seconds beyond their plain cost):
+        # the drafter's catch-up on the verifier's cores when both share a machine, ~0 apart. The
+        # probe that opens the drafter's session (its prompt's prefill) apart from the others.
+        self.probe = DecayedMean(decay)
+        self.opening = DecayedMean(decay)
 
     def update(self, k: int, seconds: float) -> None:
         if k <= 0:
@@ -372,7 +398,8 @@ class DraftCostModel:
         return c[0] + c[1] * k
 
     def state(self) -> dict:
-        return {"sums": [self.sw, self.sk, self.skk, self.sy, self.sky], "fallback": self.fallback}
+        return {"sums": [self.sw, self.sk, self.skk, self.sy, self.sky], "fallback": self.fallback,
+                "probe": self.probe.state(), "opening": self.opening.state()}
 
     def load(self, state: dict, max_weight: float) -> None:
         sums = state.get("sums")
@@ -381,3 +408,5 @@ class DraftCostModel:
             self.sw, self.sk, self.skk, self.sy, self.sky = (s * scale for s in sums)
         if state.get("fallback") and self.fallback is None:
             self.fallback = tuple(state["fallback"])
+        self.probe.load(state.get("probe"), max_weight)
+        self.opening.load(state.get("opening"), max_weight)

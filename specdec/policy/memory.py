@@ -35,6 +35,17 @@ def _blend_sums(old: list[float], new: list[float], keep: float) -> list[float]:
     return [keep * o + x for o, x in zip(old, new)]
 
 
+def _blend_mean(old: list | None, new: list | None, keep: float) -> list | None:
+    """[mean, weight] pairs blended: the old weight decayed by ``keep``."""
+    if not new:
+        return list(old) if old else None
+    if not old:
+        return list(new)
+    w_old, w_new = keep * old[1], new[1]
+    total = w_old + w_new
+    return [(w_old * old[0] + w_new * new[0]) / total if total > 0 else new[0], total]
+
+
 class AcceptanceMemory:
     """Thread-safe registry of per-key acceptance and cost estimates from recent sessions.
 
@@ -68,7 +79,8 @@ class AcceptanceMemory:
                     "pos_trials": list(e.acceptance.get("pos_trials", [])),
                 },
                 verify={"means": dict(e.verify.get("means", {})), "weights": dict(e.verify.get("weights", {}))},
-                draft={"sums": list(e.draft.get("sums", [])), "fallback": e.draft.get("fallback")},
+                draft={"sums": list(e.draft.get("sums", [])), "fallback": e.draft.get("fallback"),
+                       "probe": e.draft.get("probe"), "opening": e.draft.get("opening")},
                 sessions=e.sessions,
             )
 
@@ -104,6 +116,8 @@ class AcceptanceMemory:
             e.draft = {
                 "sums": _blend_sums(e.draft.get("sums", []), sums, g),
                 "fallback": draft.get("fallback") or e.draft.get("fallback"),
+                "probe": _blend_mean(e.draft.get("probe"), draft.get("probe"), g),
+                "opening": _blend_mean(e.draft.get("opening"), draft.get("opening"), g),
             }
             e.sessions += 1
             while len(self._entries) > self.max_entries:
