@@ -215,6 +215,31 @@ def test_rows_are_bitwise_equal_to_one_token_passes_whatever_the_pass(file_type,
     assert run.compared > 300 and run.wrong_drafts > 40, (run.compared, run.wrong_drafts)
 
 
+@pytest.mark.parametrize("file_type", ["q4_1", "f32"])
+def test_a_long_prompt_in_one_pass_or_in_chunks_beside_others_gives_the_one_token_rows(file_type, models):
+    """llama.cpp computes a sequence's rows by another path once a ubatch holds 64 of its tokens:
+    a 150-token prompt fed in one pass, or in chunks of 40 / 64 / 100 beside another session's
+    passes (as the scheduler chunks a prefill under load), gives bitwise the rows of one-token
+    passes (``MAX_TOKENS_PER_DECODE``)."""
+    lm = models[file_type]
+    rng = random.Random(7)
+    ids = [rng.randrange(3, lm.vocab_size) for _ in range(150)]
+    reference = torch.cat([lm.gguf.forward([kv], [[t]], [1]) for kv in [lm.gguf.new_kv()] for t in ids])
+    for chunk in (150, 100, 64, 40):
+        kv, other = lm.gguf.new_kv(), lm.gguf.new_kv()
+        rows = []
+        try:
+            for start in range(0, len(ids), chunk):
+                piece = ids[start:start + chunk]
+                rows.append(lm.gguf.forward([other, kv], [[5, 6, 7], piece], [1, len(piece)])[1:])
+        finally:
+            kv.release()
+            other.release()
+        rows = torch.cat(rows)
+        differing = int((rows != reference).any(dim=1).sum())
+        assert differing == 0, f"chunks of {chunk}: {differing} of {len(ids)} rows differ from one-token passes"
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Speculative decoding on gguf equals its own plain decoding
 

@@ -266,3 +266,23 @@ async def test_a_session_started_as_another_closes_gets_its_sequence(files, monk
     finally:
         busy.set()
         await runtime.server.stop(0)
+
+
+def test_concurrent_long_prompts_decode_what_each_decodes_alone(stack, target):
+    """Two sessions at once with prompts past 64 tokens: the verifier prefills them in chunks beside
+    each other's rounds, and each still decodes exactly what it decodes alone in this process
+    (``MAX_TOKENS_PER_DECODE``: llama.cpp's rows do not depend on how a prompt was split)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [" ".join(PROMPTS[i:] + PROMPTS[:i]) * 4 for i in range(4)]
+
+    def one(prompt: str):
+        with GatewayClient(stack.gateway.address, timeout=60) as client:
+            return client.generate(prompt=prompt, max_new_tokens=24, ignore_eos=True, method="none")
+
+    with ThreadPoolExecutor(SEQUENCES) as pool:
+        results = list(pool.map(one, prompts))
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    for result in results:
+        assert len(result.prompt_token_ids) > 100
+        assert result.token_ids == in_process(target, result.prompt_token_ids, params)

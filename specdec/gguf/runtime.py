@@ -37,6 +37,12 @@ POLL_ENV = "SPECDEC_GGUF_POLL"  # ggml's polling between passes, 0 (default: sle
 # KV memory is sequences x positions x the model's bytes per position, allocated (and written) when
 # the context is made: the default caps the sequences whatever the service's session limit.
 DEFAULT_SEQUENCES = 16
+# llama.cpp computes a sequence's rows by another path (other rounding) once one of its ubatches holds
+# 64 of its tokens: measured bitwise equal to one-token decoding up to 63 tokens, not from 64. Every
+# pass feeds a sequence at most this many tokens per decode call, so a row's logits do not depend on
+# how its sequence's tokens were split into passes (a prompt prefilled whole, or in chunks beside
+# other sessions' rounds under load).
+MAX_TOKENS_PER_DECODE = 63
 DEFAULT_POSITIONS = 2048
 
 
@@ -151,32 +157,55 @@ class GgufModel:
     def forward(self, caches: list[GgufKV], feeds: list[list[int]], num_logits: list[int]) -> torch.Tensor:
         """One pass: each cache's ``feeds`` tokens after its ``length``; fp32 logits [sum(num_logits), V],
         the last ``num_logits[i]`` positions of row i, row after row. Every cache grows by its feed,
-        or (the pass failed) none does."""
+        or (the pass failed) none does. Feeds longer than ``MAX_TOKENS_PER_DECODE`` go in several
+        decode calls, that many tokens of each at a time."""
         sizes = [len(feed) for feed in feeds]
-        total = sum(sizes)
         for cache, size in zip(caches, sizes):
             if cache.length + size > self.context.positions:
                 raise ValueError(f"a session of {cache.length + size} positions exceeds the gguf runtime's "
                                  f"{self.context.positions} per sequence (${POSITIONS_ENV})")
-        tokens = np.fromiter((t for feed in feeds for t in feed), dtype=np.int32, count=total)
-        positions = np.concatenate([np.arange(c.length, c.length + n, dtype=np.int32) for c, n in zip(caches, sizes)])
-        seq_ids = np.repeat(np.array([c.seq_id for c in caches], dtype=np.int32), sizes)
-        want = np.zeros(total, dtype=np.int8)
-        end = 0
-        for size, wanted in zip(sizes, num_logits):
-            end += size
-            want[end - wanted: end] = 1
+        rows: list[list[np.ndarray]] = [[] for _ in caches]  # each cache's logits, piece after piece
         with self._lock:
             self._clear_released()
             try:
-                logits = self.context.decode(tokens, positions, seq_ids, want)
+                for start in range(0, max(sizes, default=0), MAX_TOKENS_PER_DECODE):
+                    self._decode_piece(caches, feeds, num_logits, start, rows)
             except BaseException:
-                for cache in caches:  # chunks that went through stay in llama.cpp's memory
+                for cache in caches:  # pieces and chunks that went through stay in llama.cpp's memory
                     self.context.remove(cache.seq_id, cache.length)
                 raise
         for cache, size in zip(caches, sizes):
             cache.length += size
-        return torch.from_numpy(logits)
+        return torch.from_numpy(np.concatenate([row for parts in rows for row in parts]))
+
+    def _decode_piece(self, caches: list[GgufKV], feeds: list[list[int]], num_logits: list[int], start: int,
+                      rows: list[list[np.ndarray]]) -> None:
+        """One decode call over tokens ``start .. start + MAX_TOKENS_PER_DECODE`` of each feed (those
+        that reach that far); the logits of the rows each feed wants go to ``rows``."""
+        members = [i for i, feed in enumerate(feeds) if len(feed) > start]
+        pieces = [feeds[i][start:start + MAX_TOKENS_PER_DECODE] for i in members]
+        sizes = [len(piece) for piece in pieces]
+        total = sum(sizes)
+        tokens = np.fromiter((t for piece in pieces for t in piece), dtype=np.int32, count=total)
+        positions = np.concatenate([np.arange(caches[i].length + start, caches[i].length + start + n, dtype=np.int32)
+                                    for i, n in zip(members, sizes)])
+        seq_ids = np.repeat(np.array([caches[i].seq_id for i in members], dtype=np.int32), sizes)
+        want = np.zeros(total, dtype=np.int8)
+        counts = []
+        end = 0
+        for i, size in zip(members, sizes):
+            # The feed's wanted rows are its last num_logits[i]; this piece holds those past first_wanted.
+            first_wanted = len(feeds[i]) - num_logits[i] - start
+            wanted = max(0, size - max(0, first_wanted))
+            want[end + size - wanted: end + size] = 1
+            counts.append(wanted)
+            end += size
+        logits = self.context.decode(tokens, positions, seq_ids, want)
+        offset = 0
+        for i, wanted in zip(members, counts):
+            if wanted:
+                rows[i].append(logits[offset: offset + wanted])
+                offset += wanted
 
     def close(self) -> None:
         self.context.close()
