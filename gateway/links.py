@@ -76,6 +76,18 @@ async def _write(call, message, delay_s: float = 0.0) -> None:
     await call.write(message)
 
 
+async def _end_stream(call, reader: asyncio.Task | None, start: asyncio.Future | None) -> None:
+    """A drafter session's stream ended as ``_close`` ends one, its start cancelled (or its failure
+    retrieved: a failed start is not "never retrieved")."""
+    if start is not None:
+        if not start.done():
+            start.cancel()
+        elif not start.cancelled():
+            start.exception()
+    if call is not None:
+        await _close(call, reader)
+
+
 async def _close(call, reader: asyncio.Task | None = None) -> None:
     """Half-close so the service ends the session normally (finishing what it still owes); cancel if
     it does not end promptly. ``reader``: the task already reading this stream, which sees the end.
@@ -212,6 +224,8 @@ class RemoteDrafter:
         self.holds_features = True  # the relay is bounded, and each proposal takes it as it starts
         self.max_message_bytes = max_message_bytes  # what the channel to the drafter sends at most
         self._features = FeatureRelay(max_message_bytes)
+        self._told: list[int] = []  # tokens the proposals carried to the drafter (its context past the prompt)
+        self._ending: list[asyncio.Future] = []  # streams of suspended sessions, ending
 
     def add_features(self, features: EncodedFeatures | TargetFeatures) -> None:
         if self.broken is None:
@@ -243,23 +257,23 @@ class RemoteDrafter:
             self._start_task.set_result(None)
             self._fail(exc)
             return
-        self._reader = asyncio.ensure_future(self._read_loop())
+        self._reader = asyncio.ensure_future(self._read_loop(self.call, self._inbox))
         self._start_task = asyncio.ensure_future(self._start())
 
-    async def _read_loop(self) -> None:
-        """Every message (or the one failure that ends the stream) goes to the inbox: whoever waits
-        there always gets an answer."""
+    async def _read_loop(self, call, inbox: asyncio.Queue) -> None:
+        """Every message of ``call`` (or the one failure that ends it) goes to ``inbox``, its session's:
+        whoever waits there always gets an answer, and a suspended session's end reaches no later one."""
         loop = asyncio.get_running_loop()
         try:
             while True:
-                message = await _read(self.call, "drafter")
-                self._inbox.put_nowait((loop.time() + self.net_delay_s, message))
+                message = await _read(call, "drafter")
+                inbox.put_nowait((loop.time() + self.net_delay_s, message))
         except asyncio.CancelledError:
-            self._inbox.put_nowait((0.0, StreamLost("drafter stream cancelled")))
+            inbox.put_nowait((0.0, StreamLost("drafter stream cancelled")))
             if own_cancel():
                 raise
         except Exception as exc:  # noqa: BLE001 - handed to the waiter, which decides
-            self._inbox.put_nowait((0.0, exc))
+            inbox.put_nowait((0.0, exc))
 
     async def _next(self):
         release, item = await self._inbox.get()
@@ -322,6 +336,7 @@ class RemoteDrafter:
             )
             convert.attach_features(propose, features, self.max_message_bytes)
             await _write(self.call, drafter_pb2.DraftRequest(propose=propose), self.net_delay_s)
+            self._told.extend(committed)
             response = await self._next()
             if response.WhichOneof("kind") != "proposal":
                 raise StreamLost("drafter: expected a DraftProposal message")
@@ -369,21 +384,32 @@ class RemoteDrafter:
         convert.attach_features(propose, features, self.max_message_bytes)
         self._continue_write = asyncio.ensure_future(
             _write(self.call, drafter_pb2.DraftRequest(propose=propose), self.net_delay_s))
+        self._told.extend(committed)
         self._ahead_owed, self._ahead_tokens = True, ahead_tokens
+
+    def suspend(self) -> None:
+        """End the session now (in the background), keeping the link: a request settled on plain
+        decoding holds no drafter state. A later proposal opens a new session whose prompt is
+        everything the drafter had been told (this session's prompt, then the proposals' tokens),
+        so it drafts as the old one would have. Not while a block drafted ahead is owed."""
+        if not self.started or self.broken is not None or self._ahead_owed:
+            return
+        call, reader, start = self.call, self._reader, self._start_task
+        self.prompt_ids = [*self.prompt_ids, *self._told]
+        self._told = []
+        self.call = self._reader = self._start_task = self._continue_write = None
+        self._inbox = asyncio.Queue()
+        self._ending.append(asyncio.ensure_future(_end_stream(call, reader, start)))
 
     async def close(self) -> None:
         """Let the drafter finish what it owes (a block drafted ahead) and end the session normally;
         a broken stream owes nothing and is cancelled at once."""
+        if self._ending:
+            await asyncio.gather(*self._ending, return_exceptions=True)
         if not self.started:
-            return  # never opened: no stream to end
-        if not self._start_task.done():
-            self._start_task.cancel()
-        elif not self._start_task.cancelled():
-            self._start_task.exception()  # retrieved: a failed start is not "never retrieved"
+            return  # never opened (or suspended since): no stream to end
         if self._continue_write is not None:
             await asyncio.gather(self._continue_write, return_exceptions=True)
-        if self.call is None:
-            return
-        if self.broken is not None and not self.call.done():
+        if self.broken is not None and self.call is not None and not self.call.done():
             self.call.cancel()
-        await _close(self.call, self._reader)
+        await _end_stream(self.call, self._reader, self._start_task)

@@ -92,6 +92,7 @@ class GenerationStats:
     verify_service_s: float = 0.0  # of verify_s: time inside the verifier service (remote verifiers report it)
     verify_pass_s: float = 0.0  # ... of which in the batched passes that served the rounds
     feature_bytes: int = 0  # target features streamed verifier -> gateway -> drafter (prefill included)
+    drafter_closes: int = 0  # drafter sessions closed once the policy settled on plain decoding
     # Per number of drafts verified: [rounds, verify_s, steady rounds, their draft_s]. "Steady": the
     # drafter had only the previous verdict's tokens to feed (not a catch-up after k = 0 rounds or at
     # the start), so its draft_s is what drafting k tokens costs round after round.
@@ -181,6 +182,7 @@ class GenerationStats:
             "verify_pass_s": self.verify_pass_s,
             "feature_bytes": self.feature_bytes,
             "feature_bytes_per_round": self.feature_bytes_per_round,
+            "drafter_closes": self.drafter_closes,
             "round_costs": [{"num_drafts": k, "rounds": c[0], "verify_s": c[1], "steady_rounds": c[2],
                              "steady_draft_s": c[3]} for k, c in sorted(self.round_costs.items())],
         }
@@ -288,6 +290,10 @@ async def generate(
     shadow_probes = (shadow_probes and drafter is not None and getattr(drafter, "concurrent", False)
                      and not draft_ahead and completion.params.greedy)
     relay_features = drafter is not None and getattr(drafter, "reads_features", False)
+    # A session settled on plain decoding closes its drafter session (``suspend``); not a feature-level
+    # drafter's (a new session would need the target's features of everything committed) nor one
+    # drafting ahead (its block is owed on the stream).
+    suspend = getattr(drafter, "suspend", None) if drafter is not None and not (relay_features or draft_ahead) else None
     hand_at_once = relay_features and getattr(drafter, "holds_features", False)
     unsent_features: list[TargetFeatures] = []  # verdicts' features, with ``pending``: not yet told to the drafter
 
@@ -389,6 +395,10 @@ async def generate(
                 stats.shadow_probes += 1
                 stats.shadow_accepted += outcome[1]
                 shadow = None
+            if suspend is not None and shadow is None and policy.settled and drafter.started:
+                suspend()
+                policy.drafter_closed()
+                stats.drafter_closes += 1
             yield chunk
     finally:
         if shadow is not None and not shadow.task.done():

@@ -130,7 +130,7 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         self._catch_up = True  # the drafter has unseen tokens (session start, after k = 0 rounds)
         self._shadow_pending = False  # a shadow probe's outcome is still to come
         self._recheck_at = 0  # settled at k = 0: the round of the next full evaluation (``k0_recheck_every``)
-        self.settled = False  # k = 0, and no probe worth its measured cost in what the request has left
+        self._settled = False  # k = 0, and no probe worth its measured cost in what the request has left
         self._drafter_open = False  # a proposal was made in this session (the drafter has its prompt)
         self._closed = False
         self.paid = False  # speculation clearly paid earlier in this session
@@ -288,8 +288,8 @@ class AdaptiveDraftLength(DraftLengthPolicy):
                 return 0
             self.zero_run += 1
             if self.zero_run > self.probe_interval:
-                self.settled = not self._probe_worth_its_cost(bound, max_k + 1, rates)
-                if self.settled or not self._probe_could_pay(bound):
+                self._settled = not self._probe_worth_its_cost(bound, max_k + 1, rates)
+                if self._settled or not self._probe_could_pay(bound):
                     # Its answer could not change the choice, or could not repay what it costs:
                     # skip it (asked again at the next evaluation, as the costs move with the load).
                     self.probes_skipped += 1
@@ -302,7 +302,7 @@ class AdaptiveDraftLength(DraftLengthPolicy):
             if self.zero_run >= cfg.k0_recheck_every:  # a settled stretch: again where the probe falls due, or sooner
                 self._recheck_at = self.rounds + min(cfg.k0_recheck_every, self.probe_interval + 1 - self.zero_run)
             return 0
-        self.settled = False
+        self._settled = False
         self.zero_run = 0
         self.probe_interval = self.base_probe_interval
         if rates[best] >= cfg.paid_gain * rates[0]:
@@ -372,6 +372,13 @@ class AdaptiveDraftLength(DraftLengthPolicy):
     @property
     def probing(self) -> bool:
         return self._kind == "probe"
+
+    @property
+    def settled(self) -> bool:
+        return self._settled and self._kind in ("zero", "forced")
+
+    def drafter_closed(self) -> None:
+        self._drafter_open = False
 
     def start_shadow_probe(self) -> None:
         self._kind = "shadow"

@@ -47,6 +47,15 @@ class DraftLengthPolicy(ABC):
         """The last ``choose`` asked for a probe: a few drafts only to measure acceptance."""
         return False
 
+    @property
+    def settled(self) -> bool:
+        """Plain decoding from here on, as far as this policy can tell: no draft, and no probe worth
+        its cost in what the request has left (the loop may then close the drafter's session)."""
+        return False
+
+    def drafter_closed(self) -> None:
+        """The loop closed the drafter's session: a later proposal opens a new one (its prefill)."""
+
     def start_shadow_probe(self) -> None:
         """The loop runs the probe just chosen beside a plain round instead (see ``observe_shadow``):
         this round verifies no drafts."""
