@@ -263,8 +263,10 @@ class PendingForward:
     session: TargetSession
 
     def forward_row(self) -> ForwardRow:
+        """The pending token, and (a session that wants them) its features, which the next verdict sends."""
         tokens = self.session.tokens
-        return ForwardRow(self.session.kv, tokens, 1, committed=len(tokens))
+        return ForwardRow(self.session.kv, tokens, 1, committed=len(tokens),
+                          num_features=self.session.features_wanted(len(tokens)))
 
 
 VerifyJob = tuple[TargetSession, DraftProposal] | PrefillChunk | PendingForward
@@ -308,6 +310,7 @@ def _verify_live(target: LoadedModel, jobs: list[VerifyJob]) -> list[Verdict | E
             results.append(None)
             continue
         if isinstance(job, PendingForward):
+            job.session.take_features(row)
             job.session.keep_ahead(logits)
             results.append(None)
             continue

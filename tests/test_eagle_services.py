@@ -27,7 +27,7 @@ from specdec.rpc import convert
 from specdec.sampling import DraftProposal, SamplingParams
 from specdec.target_features import TargetFeatures
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from specdec.verification import PrefillChunk, TargetSession, verify_batch
+from specdec.verification import PendingForward, PrefillChunk, TargetSession, verify_batch
 from tests.harness import start_stack
 from tests.test_distribution import assert_first_three_follow_target
 from tests.test_reliability import stream_in_thread
@@ -83,6 +83,32 @@ def test_verdicts_carry_each_committed_position_feature_once_as_teacher_forcing_
         assert verdict.features.start == verdicts[-2].features.end
         assert len(verdict.features) == verdict.num_accepted + 1
     assert any(v.num_accepted for v in verdicts[1:])
+    streamed = torch.cat([v.features.values for v in verdicts]).float()
+    assert streamed.shape[0] == len(session.tokens) - 1
+    forced = teacher_force(target, [session.tokens])[0]["features"].float()[:-1]
+    torch.testing.assert_close(streamed, forced, rtol=5e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("runtime", ["lean"])
+def test_features_of_pending_tokens_fed_ahead_reach_the_next_verdicts(tiny_pair, runtime):
+    """Verify-ahead for a session that streams features: the pass that feeds the pending token ahead
+    (``PendingForward``) keeps its feature, the next verdict (no pass for a plain round, the drafts'
+    pass otherwise) sends it; the features still tile every committed position once and equal the
+    target's over the final text."""
+    target = load_model(str(tiny_pair[1]), runtime=runtime)
+    prompt = [5, 17, 33, 2, 9, 41, 7, 12, 90, 4, 61]
+    session = TargetSession(target, prompt, SamplingParams(max_new_tokens=40), want_features=True)
+    verdicts = [session.prefill()]
+    passes = 0
+    for round_index in range(10):
+        assert verify_batch(target, [PendingForward(session)]) == [None] and session.has_ahead
+        drafts = [] if round_index % 3 else [1, 2]
+        passes += session.needs_pass(DraftProposal(drafts))
+        verdict = session.verify(DraftProposal(drafts))
+        assert verdict.features.start == verdicts[-1].features.end
+        assert len(verdict.features) == verdict.num_accepted + 1
+        verdicts.append(verdict)
+    assert passes == 4  # only the rounds with drafts took a pass of their own
     streamed = torch.cat([v.features.values for v in verdicts]).float()
     assert streamed.shape[0] == len(session.tokens) - 1
     forced = teacher_force(target, [session.tokens])[0]["features"].float()[:-1]

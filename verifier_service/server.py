@@ -166,10 +166,10 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
     def _start_ahead(self, session: TargetSession, verdict: Verdict, budget: int,
                      lm: LoadedModel) -> asyncio.Task | None:
         """After a plain round (or the prefill), feed the pending token now (``PendingForward``): the
-        next round feeds it whatever it drafts, and a plain round is likely followed by another. Not
-        for sessions streaming features (their features follow the verification passes), nor where
-        no further block can come."""
-        if (not self.verify_ahead or verdict.num_drafts > 0 or session.want_features
+        next round feeds it whatever it drafts, and a plain round is likely followed by another (a
+        session streaming features gets the pending token's from this pass). Not where no further
+        block can come."""
+        if (not self.verify_ahead or verdict.num_drafts > 0
                 or len(session.tokens) >= budget or len(session.tokens) + 1 >= lm.max_positions):
             return None
         return asyncio.ensure_future(self._batched(PendingForward(session), 1))
