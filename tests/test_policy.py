@@ -741,3 +741,27 @@ def test_shadow_probes_stop_where_their_measured_cost_outweighs_what_they_could_
         probes_short, _ = run(short, 60, beside_extra_s=0.060)
         assert len(probes_short) == opening_probes and short.settled and short.probes_skipped > 0
         short.close()
+
+
+def test_a_probe_cost_one_session_measures_reaches_the_sessions_beside_it_at_once():
+    """Under load sessions start before any has closed: a shadow probe's measured cost goes into the
+    shared memory as it is measured, and a session running beside reads it for its next probe."""
+    memory = AcceptanceMemory()
+    key = ("model", "draft", "target")
+    forward = [0.010, 0.014, 0.018, 0.022, 0.026, 0.030]
+    first, beside = (AdaptiveDraftLength(forward_curve=forward, memory=memory, key=key) for _ in range(2))
+    for p in (first, beside):
+        p.observe(RoundObservation(0, 0, 0.0, 0.012, 1, 1))
+    assert beside._probe_cost(opening=True) is None  # nothing measured: a probe is worth it (it measures)
+    first.start_shadow_probe()
+    first.observe_shadow(1, 0, draft_s=None, beside_s=0.012 * 2 + 0.150, beside_rounds=2)  # it opened the drafter
+    first.start_shadow_probe()
+    first.observe_shadow(1, 0, draft_s=0.002, beside_s=0.012 * 2 + 0.030, beside_rounds=2)
+    assert beside._probe_cost(opening=True) == pytest.approx(0.150)
+    assert beside._probe_cost(opening=False) == pytest.approx(0.030)
+    # ... and a short request beside it, where drafting rarely agrees, skips the probe that would
+    # open its drafter session.
+    for _ in range(20):
+        beside.acceptance.update(1, 0)
+    beside.zero_run = beside.probe_interval
+    assert beside.choose(20) == 0 and beside.settled and beside.probes == 0

@@ -41,6 +41,10 @@ class PolicyMemory(Protocol):
 
     def report(self, key: Hashable, acceptance: dict, verify: dict, draft: dict) -> None: ...
 
+    def note_probe_cost(self, key: Hashable, kind: str, seconds: float) -> None: ...
+
+    def probe_cost(self, key: Hashable, kind: str) -> float | None: ...
+
 
 def _tunable(name: str) -> property:
     """Read-only attribute for a config field (the policy's attributes before ``AdaptiveConfig``)."""
@@ -216,8 +220,9 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         if vcurve is not None and budget > 0 and vcurve[0] > 0:
             # What a probe adds to this session's round, and to the co-batched sessions' pass: as
             # measured for shadow probes (the rounds beside them), else a verified probe's cost.
-            if self.draft.probe.value is not None:
-                extra = (1.0 + self.co_batched) * self.draft.probe.value
+            measured = self._probe_cost(opening=False)
+            if measured is not None:
+                extra = (1.0 + self.co_batched) * measured
             else:
                 extra = (1.0 + self.co_batched) * (vcurve[self.probe_k] - vcurve[0]) + self.draft.predict(self.probe_k)
             if extra <= 0:
@@ -241,13 +246,23 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         rates = self.expected_rates(bound, optimistic=True)
         return rates is not None and self._best_k(rates) > 0
 
+    def _probe_cost(self, opening: bool) -> float | None:
+        """What a shadow probe costs on this deployment: the memory's live figure (every session's
+        probes, this one's included), else this session's own."""
+        kind = "opening" if opening else "probe"
+        if self.memory is not None and self.key is not None:
+            shared = self.memory.probe_cost(self.key, kind)
+            if shared is not None:
+                return shared
+        return getattr(self.draft, kind).value
+
     def _probe_worth_its_cost(self, bound: int, tokens_left: int, rates: list[float]) -> bool:
         """A shadow probe's measured cost (``DraftCostModel.probe``, or ``.opening`` for the probe that
         opens the drafter's session: the rounds beside it, beyond their plain cost; times the sessions
         sharing those passes) against the most it could gain: the time per token drafting would save
         at its best case (``expected_rates(optimistic=True)``), over the tokens this request has left.
         Unmeasured, a probe is worth it (it measures)."""
-        cost = (self.draft.probe if self._drafter_open else self.draft.opening).value
+        cost = self._probe_cost(opening=not self._drafter_open)
         if cost is None:
             return True
         optimistic = self.expected_rates(bound, optimistic=True)
@@ -395,7 +410,10 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         plain = self.verify.curve(0)
         if beside_rounds > 0 and plain is not None:
             cost = max(0.0, beside_s - beside_rounds * plain[0])
-            (self.draft.probe if self._drafter_open else self.draft.opening).add(cost)
+            kind = "probe" if self._drafter_open else "opening"
+            getattr(self.draft, kind).add(cost)
+            if self.memory is not None and self.key is not None:
+                self.memory.note_probe_cost(self.key, kind, cost)
         self._drafter_open = True
         self.acceptance.update(k, n)  # the verify costs stay as measured: the round verified no drafts
         if draft_s is not None:

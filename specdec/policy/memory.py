@@ -35,6 +35,9 @@ def _blend_sums(old: list[float], new: list[float], keep: float) -> list[float]:
     return [keep * o + x for o, x in zip(old, new)]
 
 
+PROBE_COST_KEEP = 0.9  # each measured probe cost weighs as much as the last ten together, decayed
+
+
 def _blend_mean(old: list | None, new: list | None, keep: float) -> list | None:
     """[mean, weight] pairs blended: the old weight decayed by ``keep``."""
     if not new:
@@ -116,12 +119,32 @@ class AcceptanceMemory:
             e.draft = {
                 "sums": _blend_sums(e.draft.get("sums", []), sums, g),
                 "fallback": draft.get("fallback") or e.draft.get("fallback"),
-                "probe": _blend_mean(e.draft.get("probe"), draft.get("probe"), g),
-                "opening": _blend_mean(e.draft.get("opening"), draft.get("opening"), g),
+                # Probe costs arrive as they are measured (``note_probe_cost``), not at the close.
+                "probe": e.draft.get("probe"),
+                "opening": e.draft.get("opening"),
             }
             e.sessions += 1
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
+
+    def note_probe_cost(self, key: MemoryKey, kind: str, seconds: float) -> None:
+        """One shadow probe's measured cost (``kind``: "probe", or "opening" for the probe that opened
+        the drafter's session), blended in at once: sessions running beside the one that measured it
+        read it at their next probe, not only sessions opened after it closes (under load most
+        sessions start before any has closed)."""
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None:
+                e = MemoryEntry()
+                self._entries[key] = e
+            e.draft[kind] = _blend_mean(e.draft.get(kind), [float(seconds), 1.0], PROBE_COST_KEEP)
+
+    def probe_cost(self, key: MemoryKey, kind: str) -> float | None:
+        """The deployment's measured cost of a shadow probe of ``kind`` (None: none measured yet)."""
+        with self._lock:
+            e = self._entries.get(key)
+            value = e.draft.get(kind) if e is not None else None
+            return float(value[0]) if value else None
 
     def create(self, key: MemoryKey | None = None, **kwargs) -> AdaptiveDraftLength:
         """A new adaptive policy for ``key`` that reports back here on ``close()``."""
