@@ -196,7 +196,8 @@ class ProbingPolicy(DraftLengthPolicy):
         self.pending = True
         self.calls.append("probe")
 
-    def observe_shadow(self, num_drafts: int, num_accepted: int, draft_s: float | None = None) -> None:
+    def observe_shadow(self, num_drafts: int, num_accepted: int, draft_s: float | None = None,
+                       beside_s: float = 0.0, beside_rounds: int = 0) -> None:
         self.pending = False
         self.shadows.append((num_drafts, num_accepted))
         self.shadow_draft_s.append(draft_s)
