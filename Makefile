@@ -6,7 +6,7 @@ STAMP := $(VENV)/.specdec-installed
 # The CPU build of torch lies on disk on these machines; an unpinned torch would pull a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup test demo up protos sim train-draft clean
+.PHONY: setup test test-fast demo up protos sim train-draft clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,10 @@ test: setup
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 $(PARALLEL)
 	SPECDEC_RUNTIME=hf $(PY) -m pytest -q -p no:cacheprovider -m "not embedded" $(PARALLEL) $(EXACTNESS_TESTS)
 	SPECDEC_STATIC_KV=on $(PY) -m pytest -q -p no:cacheprovider -m "not embedded" $(PARALLEL) $(EXACTNESS_TESTS)
+
+# The inner loop: the unit tier (tests/conftest.py's UNIT_MODULES), no services, no embedded model.
+test-fast: setup
+	$(PY) -m pytest -q -p no:cacheprovider -m "not services and not embedded" $(PARALLEL)
 
 demo: setup
 	$(PY) -m specdec.demo

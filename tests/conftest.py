@@ -11,6 +11,22 @@ torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "2")))
 # the gguf runtime's own tests (tests/test_gguf_*.py) name it. Services the tests start inherit this.
 os.environ.setdefault("SPECDEC_RUNTIME", "torch")
 
+# The unit tier (`make test-fast`, about a minute on 2 cores): modules whose tests run the core in this
+# process (acceptance math, sampling, policies, the runtimes' passes, stopping, the simulator) and
+# start no service, server or subprocess. Every other module's tests are marked ``services``; a new
+# module lands there until it is listed here.
+UNIT_MODULES = frozenset({
+    "test_acceptance", "test_device_decisions", "test_distill", "test_distribution", "test_eagle",
+    "test_gguf_runtime", "test_layout", "test_lean_runtime", "test_policy", "test_protos",
+    "test_sampling_keys", "test_sim", "test_split", "test_static_kv", "test_stopping",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] not in UNIT_MODULES:
+            item.add_marker(pytest.mark.services)
+
 
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):
