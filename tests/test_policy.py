@@ -737,7 +737,7 @@ def test_shadow_probes_stop_where_their_measured_cost_outweighs_what_they_could_
     # not repay another; the one after it does not open the drafter at all.
     for opening_probes in (1, 0):
         short = AdaptiveDraftLength(forward_curve=forward, memory=memory, key=key)
-        assert short.draft.probe.value == pytest.approx(0.120, rel=0.05)
+        assert short._probe_cost(opening=False) == pytest.approx(0.120, rel=0.05)
         probes_short, _ = run(short, 60, beside_extra_s=0.060)
         assert len(probes_short) == opening_probes and short.settled and short.probes_skipped > 0
         short.close()

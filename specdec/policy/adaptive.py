@@ -238,13 +238,13 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         best = max(range(1, len(rates)), key=lambda k: (rates[k], -k))
         return best if rates[best] > rates[0] * (1.0 + self.config.draft_margin) else 0
 
-    def _probe_could_pay(self, bound: int) -> bool:
-        """Would drafting beat plain decoding in the best case (``expected_rates(optimistic=True)``)?
-        If not, the verifier's side alone makes every draft token a loss (under load: the pass it
-        lengthens is shared by many sessions, SmartSpec's point), and a probe would only spend
-        drafter and verifier time: whatever it measured, k = 0 would stay."""
-        rates = self.expected_rates(bound, optimistic=True)
-        return rates is not None and self._best_k(rates) > 0
+    def _probe_could_pay(self, optimistic: list[float] | None) -> bool:
+        """Would drafting beat plain decoding in the best case (``optimistic``: the rates of
+        ``expected_rates(optimistic=True)``)? If not, the verifier's side alone makes every draft
+        token a loss (under load: the pass it lengthens is shared by many sessions, SmartSpec's
+        point), and a probe would only spend drafter and verifier time: whatever it measured, k = 0
+        would stay."""
+        return optimistic is not None and self._best_k(optimistic) > 0
 
     def _probe_cost(self, opening: bool) -> float | None:
         """What a shadow probe costs on this deployment: the memory's live figure (every session's
@@ -256,16 +256,15 @@ class AdaptiveDraftLength(DraftLengthPolicy):
                 return shared
         return getattr(self.draft, kind).value
 
-    def _probe_worth_its_cost(self, bound: int, tokens_left: int, rates: list[float]) -> bool:
+    def _probe_worth_its_cost(self, optimistic: list[float] | None, tokens_left: int, rates: list[float]) -> bool:
         """A shadow probe's measured cost (``DraftCostModel.probe``, or ``.opening`` for the probe that
         opens the drafter's session: the rounds beside it, beyond their plain cost; times the sessions
         sharing those passes) against the most it could gain: the time per token drafting would save
-        at its best case (``expected_rates(optimistic=True)``), over the tokens this request has left.
-        Unmeasured, a probe is worth it (it measures)."""
+        at its best case (``optimistic``: ``expected_rates(optimistic=True)``), over the tokens this
+        request has left. Unmeasured, a probe is worth it (it measures)."""
         cost = self._probe_cost(opening=not self._drafter_open)
         if cost is None:
             return True
-        optimistic = self.expected_rates(bound, optimistic=True)
         best = max(optimistic[1:], default=0.0) if optimistic is not None else 0.0
         if best <= rates[0] or rates[0] <= 0:
             return False
@@ -303,8 +302,9 @@ class AdaptiveDraftLength(DraftLengthPolicy):
                 return 0
             self.zero_run += 1
             if self.zero_run > self.probe_interval:
-                self._settled = not self._probe_worth_its_cost(bound, max_k + 1, rates)
-                if self._settled or not self._probe_could_pay(bound):
+                optimistic = self.expected_rates(bound, optimistic=True)
+                self._settled = not self._probe_worth_its_cost(optimistic, max_k + 1, rates)
+                if self._settled or not self._probe_could_pay(optimistic):
                     # Its answer could not change the choice, or could not repay what it costs:
                     # skip it (asked again at the next evaluation, as the costs move with the load).
                     self.probes_skipped += 1

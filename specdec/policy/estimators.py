@@ -319,12 +319,6 @@ class DecayedMean:
         previous = sample if self.value is None else self.value
         self.value = previous + (sample - previous) / self.weight
 
-    def state(self) -> list[float] | None:
-        return [self.value, self.weight] if self.value is not None else None
-
-    def load(self, state: Sequence[float] | None, max_weight: float) -> None:
-        if state and self.value is None:
-            self.value, self.weight = float(state[0]), min(float(state[1]), max_weight)
 
 
 class DraftCostModel:
@@ -341,9 +335,10 @@ class DraftCostModel:
         self.decay = decay
         self.sw = self.sk = self.skk = self.sy = self.sky = 0.0
         self.fallback: tuple[int, float] | None = None
-        # What a shadow probe cost the session's rounds beside it (seconds beyond their plain cost):
-        # the drafter's catch-up on the verifier's cores when both share a machine, ~0 apart. The
-        # probe that opens the drafter's session (its prompt's prefill) apart from the others.
+        # What this session's shadow probes cost the rounds beside them (seconds beyond their plain
+        # cost): the drafter's catch-up on the verifier's cores when both share a machine, ~0 apart.
+        # The probe that opens the drafter's session (its prompt's prefill) apart from the others.
+        # A deployment's figures across sessions live in the memory (``note_probe_cost``).
         self.probe = DecayedMean(decay)
         self.opening = DecayedMean(decay)
 
@@ -398,8 +393,7 @@ class DraftCostModel:
         return c[0] + c[1] * k
 
     def state(self) -> dict:
-        return {"sums": [self.sw, self.sk, self.skk, self.sy, self.sky], "fallback": self.fallback,
-                "probe": self.probe.state(), "opening": self.opening.state()}
+        return {"sums": [self.sw, self.sk, self.skk, self.sy, self.sky], "fallback": self.fallback}
 
     def load(self, state: dict, max_weight: float) -> None:
         sums = state.get("sums")
@@ -408,5 +402,3 @@ class DraftCostModel:
             self.sw, self.sk, self.skk, self.sy, self.sky = (s * scale for s in sums)
         if state.get("fallback") and self.fallback is None:
             self.fallback = tuple(state["fallback"])
-        self.probe.load(state.get("probe"), max_weight)
-        self.opening.load(state.get("opening"), max_weight)

@@ -38,15 +38,12 @@ def _blend_sums(old: list[float], new: list[float], keep: float) -> list[float]:
 PROBE_COST_KEEP = 0.9  # each measured probe cost weighs as much as the last ten together, decayed
 
 
-def _blend_mean(old: list | None, new: list | None, keep: float) -> list | None:
-    """[mean, weight] pairs blended: the old weight decayed by ``keep``."""
-    if not new:
-        return list(old) if old else None
+def _blend_mean(old: list | None, sample: float, keep: float) -> list:
+    """A [mean, weight] pair with ``sample`` blended in at weight one, the old weight decayed by ``keep``."""
     if not old:
-        return list(new)
-    w_old, w_new = keep * old[1], new[1]
-    total = w_old + w_new
-    return [(w_old * old[0] + w_new * new[0]) / total if total > 0 else new[0], total]
+        return [sample, 1.0]
+    weight = keep * old[1] + 1.0
+    return [(keep * old[1] * old[0] + sample) / weight, weight]
 
 
 class AcceptanceMemory:
@@ -82,8 +79,7 @@ class AcceptanceMemory:
                     "pos_trials": list(e.acceptance.get("pos_trials", [])),
                 },
                 verify={"means": dict(e.verify.get("means", {})), "weights": dict(e.verify.get("weights", {}))},
-                draft={"sums": list(e.draft.get("sums", [])), "fallback": e.draft.get("fallback"),
-                       "probe": e.draft.get("probe"), "opening": e.draft.get("opening")},
+                draft={"sums": list(e.draft.get("sums", [])), "fallback": e.draft.get("fallback")},
                 sessions=e.sessions,
             )
 
@@ -137,7 +133,7 @@ class AcceptanceMemory:
             if e is None:
                 e = MemoryEntry()
                 self._entries[key] = e
-            e.draft[kind] = _blend_mean(e.draft.get(kind), [float(seconds), 1.0], PROBE_COST_KEEP)
+            e.draft[kind] = _blend_mean(e.draft.get(kind), float(seconds), PROBE_COST_KEEP)
 
     def probe_cost(self, key: MemoryKey, kind: str) -> float | None:
         """The deployment's measured cost of a shadow probe of ``kind`` (None: none measured yet)."""
