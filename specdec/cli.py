@@ -344,9 +344,8 @@ def service_threads(role: str, threads: int, device: str | None) -> int | None:
     ``--threads`` wins. Otherwise the gateway, and a drafter or verifier whose model runs on an
     accelerator, use one: their CPU work is per-token vectors, and a pool of one worker per core
     wakes its sleeping workers for every such operation after each wait (for the GPU, for the next
-    request). On this project's 2-core VM, a softmax/argmax/top-k over one 49k-vocabulary row after
-    an 18 ms sleep took 0.4-0.8 ms on one thread and 2-14 ms (p50, repeated runs) on a pool of two
-    (scripts/thread_wake_cost.py; docs/benchmarks.md, "On a GPU").
+    request): on a small host that wake costs more than the operation (scripts/thread_wake_cost.py
+    measures it; docs/sweeps/2026-12-03-batching-across-sessions.md, "On a GPU").
     """
     if threads > 0:
         return threads

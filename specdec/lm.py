@@ -82,7 +82,7 @@ class LoadedModel:
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """``tokenizer_fingerprint`` of this model's tokenizer (hashing 49k tokens takes ~100 ms: once)."""
+        """``tokenizer_fingerprint`` of this model's tokenizer (hashing the whole vocabulary is slow: once per model)."""
         return tokenizer_fingerprint(self.tokenizer)
 
     @property

@@ -156,8 +156,8 @@ def main(argv=None) -> int:
     p.add_argument("--exclude", type=Path, action="append", default=[],
                    help="skip prompts already answered in these shard directories (to grow a data set)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                   help="the target's weights while generating: on this AMX CPU bfloat16 measured 1.8x float32 at "
-                        "the same batch (291 vs 160 tok/s, batch 64, 48 tokens); top-K differ only near ties")
+                   help="the target's weights while generating: bfloat16 is faster where the CPU has bf16 "
+                        "matmuls (AMX); top-K differ from float32's only near ties")
     args = p.parse_args(argv)
     from tqdm import tqdm
 

@@ -22,9 +22,9 @@ from specdec.sampling import DraftProposal, SamplingParams
 from specdec.target_features import WIRE_DTYPE, TargetFeatures
 
 
-# The LM head's ids while drafting: the most frequent 4096 of the 16384 trained. Measured on the shipped
-# head (docs/benchmarks.md): the step falls from 0.163 to 0.075 of a target step (8192: 0.102) while
-# the mean accepted length on MT-bench + HumanEval moves from 1.435 to 1.424.
+# The LM head's ids while drafting: the most frequent 4096 of the 16384 trained. A smaller head halves the
+# step's cost for almost no acceptance (docs/sweeps/2026-12-05-eagle-through-the-services.md, "Cost of a
+# head step").
 DRAFTING_HEAD_TOKENS = 4096
 
 
