@@ -126,7 +126,7 @@ def test_200_random_cancellations_leave_no_session(stack):
                 await asyncio.gather(*(one(client, i) for i in range(start, start + 8)))
 
     asyncio.run(storm())
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 120  # a hang guard: the sessions are freed once their cancels land
     while time.monotonic() < deadline:
         counts = (active_sessions(stack.verifiers[0].address, "verifier"),
                   active_sessions(stack.drafters[0].address, "drafter"), gateway_active(stack))
@@ -305,14 +305,14 @@ def test_idle_sessions_are_reaped_and_late_cancels_are_not_found(tiny_pair, tmp_
                 yield start
                 time.sleep(30)  # never another message
 
-            call = stub.Verify(silent(), timeout=20)
+            call = stub.Verify(silent(), timeout=120)  # a hang guard: the reaper, not this deadline, ends it
             first = next(call)
             assert len(first.token_ids) == 1 and active_sessions(verifier.address, "verifier") == 1
-            t0 = time.monotonic()
             with pytest.raises(grpc.RpcError) as info:
                 next(call)
+            # The server's reaper ended it (its message), not the client's deadline (which has none).
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert time.monotonic() - t0 < 5
+            assert "session idle for more than 1s; state freed" in info.value.details(), info.value.details()
             assert active_sessions(verifier.address, "verifier") == 0
 
             # Out-of-band cancel of a live session ends its stream; a late one is NOT_FOUND.
