@@ -305,7 +305,7 @@ def serve_options(args: argparse.Namespace, environ: Mapping[str, str]) -> Serve
         service_tokens=tuple(tokens) if model_service else (),
         allowed_peers=peers,
         outbound_service_token=tokens[0].decode() if tokens and not model_service else None,
-        health_port=health_port or None,
+        health_port=health_port,
     )
 
 
