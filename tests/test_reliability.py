@@ -266,7 +266,7 @@ def test_sigterm_with_four_streams_in_flight(tiny_pair, tmp_path):
 def test_verifier_killed_with_a_replica_migrates_and_stays_exact(tiny_pair, noisy_draft, tiny_target, tmp_path):
     stack = start_stack(tiny_pair[1], noisy_draft, tmp_path, verifiers=2)
     try:
-        time.sleep(1.5)  # let the gateway see both replicas (it polls every 0.5 s until all are ready)
+        stack.wait_gateway_sees_every_verifier()
         started, outcome = threading.Event(), {}
         thread = stream_in_thread(stack.gateway.address, started, outcome, prompt="the quick brown", max_new_tokens=300,
                                   method="model", num_draft_tokens=3)
