@@ -125,6 +125,19 @@ class GatewayConfig(ServiceConfig):
 
 # -- flags -------------------------------------------------------------------------------------------
 
+def optional_port(text: str) -> int:
+    """A port flag that can be turned off: ``off`` (or 0) is 0, which means none."""
+    if text.strip().lower() in ("off", "none", "0"):
+        return 0
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number or 'off', not {text!r}") from None
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"port {port} is outside 1-65535")
+    return port
+
+
 def _add_serve_flags(p: argparse.ArgumentParser, role: str) -> None:
     """Every service's flags. Those with a variable default to None here: ``service_config`` reads
     the variable, so the parser reads no environment."""
@@ -208,7 +221,6 @@ def add_role_parsers(roles) -> None:
     _add_serve_flags(drafter, "drafter")
     gateway = roles.add_parser("gateway")
     from gateway.http_limits import add_http_limit_arguments
-    from specdec.up import optional_port
 
     gateway.add_argument("--target", default=DEFAULT_TARGET, help="model whose tokenizer and chat template to use")
     gateway.add_argument("--verifier", action="append", default=[], help="verifier address (repeatable)")

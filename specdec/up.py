@@ -21,7 +21,7 @@ import socket
 import sys
 import threading
 
-from specdec.service_config import SERVICE_TOKEN_ENV, SERVICE_TOKEN_FILE_ENV, service_tokens, tls_config
+from specdec.service_config import SERVICE_TOKEN_ENV, SERVICE_TOKEN_FILE_ENV, optional_port, service_tokens, tls_config
 from specdec.supervisor import ChildSpec, Supervisor
 
 LOG_PREFIX = "[up      ]"
@@ -88,19 +88,6 @@ def add_arguments(up: argparse.ArgumentParser, default_target: str) -> None:
     up.add_argument("--service-token-file", default=None,
                     help="the token the gateway presents to drafter and verifier (default: a random one per run, "
                          "which nothing outside the stack knows)")
-
-
-def optional_port(text: str) -> int:
-    """A port flag that can be turned off: ``off`` (or 0) is 0, which means none."""
-    if text.strip().lower() in ("off", "none", "0"):
-        return 0
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number or 'off', not {text!r}") from None
-    if not 0 < port < 65536:
-        raise argparse.ArgumentTypeError(f"port {port} is outside 1-65535")
-    return port
 
 
 def default_http_port(host: str) -> int:
