@@ -13,10 +13,10 @@ from specdec.eagle.target_rows import read_target
 from specdec.models import EMBEDDED_DRAFT, EMBEDDED_TARGET, LoadedModel, default_eagle_head, load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.replay import REPLAY_WIRE_METHOD, ReplayDrafter
 from specdec.rpc import convert
-from specdec.rpc.scheduler import BatchingOptions
-from specdec.rpc.server import NotReady, idle_guard, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
+from specdec.rpc.server import NotReady, idle_guard, ServiceRuntime, map_errors, map_unary_errors
 from specdec.rpc.sessions import ModelWorkerService, validate_session_id
 from specdec.sampling import DraftProposal, SamplingParams, with_random_seed
+from specdec.service_config import DrafterConfig
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, types_pb2
 
 log = logging.getLogger("specdec.drafter")
@@ -248,17 +248,15 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
         )
 
 
-async def serve(method: str, draft_model: str | None, options: ServeOptions, max_sessions: int = 64,
-                device: str | None = None,
-                idle_timeout_s: float | None = 300.0, batching: BatchingOptions | None = None,
-                max_sessions_per_peer: int | None = None, replay_file: str | None = None,
-                target: str | None = None) -> None:
+async def serve(config: DrafterConfig) -> None:
+    options = config.serve
     runtime = ServiceRuntime(SERVICE_NAME, options)
-    service = DrafterService(runtime, max_sessions=max_sessions, idle_timeout_s=idle_timeout_s, batching=batching,
-                             max_sessions_per_peer=max_sessions_per_peer)
+    service = DrafterService(runtime, max_sessions=config.max_sessions, idle_timeout_s=config.idle_timeout_s,
+                             batching=config.batching, max_sessions_per_peer=config.max_sessions_per_peer)
     drafter_pb2_grpc.add_DrafterServicer_to_server(service, runtime.server)
     port = await runtime.start()
     runtime.install_signal_handlers()
     print(f"specdec drafter listening on {options.host}:{port}", flush=True)
-    await service.load(method, draft_model, device=device, replay_file=replay_file, target=target)
+    await service.load(config.method, config.draft_model, device=config.device, replay_file=config.replay_file,
+                       target=config.target)
     await runtime.wait_and_drain()

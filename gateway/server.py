@@ -9,12 +9,12 @@ import contextlib
 
 from specdec.models import load_tokenizer
 from specdec.rpc import convert
-from specdec.rpc.server import ServeOptions, ServiceRuntime, map_errors
+from specdec.rpc.server import ServiceRuntime, map_errors
+from specdec.service_config import GatewayConfig
 from specdec.v1 import drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier_pb2_grpc
 
 from gateway.generation import Finished, GatewayCore, GatewayLimits, GenerationRequest, LinkOptions, new_request_id
 from gateway.http import HttpFront
-from gateway.http_limits import HttpLimits
 from gateway.pools import BackendPool
 from gateway.requests import UndecodableRequest, add_gateway_service
 
@@ -99,31 +99,25 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             obs.end()
 
 
-async def serve(target: str, verifier_addresses: list[str], drafter_addresses: list[str],
-                options: ServeOptions, limits: GatewayLimits, discover_verifiers: str | None = None,
-                discover_drafters: str | None = None, namespace: str | None = None,
-                link_options: LinkOptions | None = None, http_port: int | None = None,
-                http_limits: HttpLimits | None = None) -> None:
-    """``http_port``: serve the OpenAI-compatible HTTP API there too (None: gRPC only), within
-    ``http_limits`` (None: their defaults)."""
-    if not verifier_addresses and not discover_verifiers:
-        raise SystemExit("the gateway needs --verifier addresses or --discover-verifiers SERVICE")
+async def serve(config: GatewayConfig) -> None:
+    """The gRPC front and, with ``config.http_port``, the OpenAI-compatible HTTP API beside it."""
+    options = config.serve
     runtime = ServiceRuntime(SERVICE_NAME, options)
     loop = asyncio.get_running_loop()
-    tokenizer = await loop.run_in_executor(None, load_tokenizer, target)
+    tokenizer = await loop.run_in_executor(None, load_tokenizer, config.target)
     verifiers = BackendPool("verifier", verifier_pb2_grpc.VerifierStub, options.max_message_bytes, options.tls,
                             options.outbound_service_token)
     drafters = BackendPool("drafter", drafter_pb2_grpc.DrafterStub, options.max_message_bytes, options.tls,
                            options.outbound_service_token)
-    verifiers.set_addresses(verifier_addresses)
-    drafters.set_addresses(drafter_addresses)
+    verifiers.set_addresses(list(config.verifiers))
+    drafters.set_addresses(list(config.drafters))
     watchers = []
-    if discover_verifiers or discover_drafters:
+    if config.discover_verifiers or config.discover_drafters:
         from gateway.discovery import EndpointSliceWatcher, discovery_api
 
         api = discovery_api()
-        namespace = namespace or _pod_namespace()
-        for service_name, pool in ((discover_verifiers, verifiers), (discover_drafters, drafters)):
+        namespace = config.namespace or _pod_namespace()
+        for service_name, pool in ((config.discover_verifiers, verifiers), (config.discover_drafters, drafters)):
             if service_name:
                 # Discovered replicas are pod IPs: their certificates name the Service instead.
                 pool.server_name = f"{service_name}.{namespace}.svc"
@@ -133,14 +127,14 @@ async def serve(target: str, verifier_addresses: list[str], drafter_addresses: l
                 )
                 watcher.start()
                 watchers.append(watcher)
-    core = GatewayCore(runtime, tokenizer, limits, verifiers, drafters, link_options)
-    core.model_name = target
+    core = GatewayCore(runtime, tokenizer, config.limits, verifiers, drafters, config.link)
+    core.model_name = config.target
     add_gateway_service(GatewayService(core), runtime.server)  # Generate with a deserializer that tolerates bad bytes
     port = await runtime.start()
     http_front = None
-    if http_port is not None:
-        http_front = HttpFront(core, options, http_limits)
-        bound = await http_front.start(options.host, http_port)
+    if config.http_port is not None:
+        http_front = HttpFront(core, options, config.http_limits)
+        bound = await http_front.start(options.host, config.http_port)
     runtime.install_signal_handlers()
     http_note = f"; OpenAI-compatible HTTP API on http{'s' if http_front and http_front.tls else ''}://" \
                 f"{options.host}:{bound}/v1" if http_front else ""

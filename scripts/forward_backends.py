@@ -15,7 +15,6 @@ OpenBLAS builds and slow numpy's.)
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import random
 import time
@@ -24,17 +23,12 @@ import torch
 
 
 def openblas_config() -> str:
-    from specdec.lean.matmul import openblas_threads
+    from threadpoolctl import threadpool_info
 
-    with open("/proc/self/maps") as maps:
-        paths = sorted({line.split()[-1] for line in maps if "openblas" in line.lower() and "/" in line})
-    for path in paths:
-        lib = ctypes.CDLL(path)
-        for name in ("scipy_openblas_get_config64_", "openblas_get_config64_", "openblas_get_config"):
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn.restype = ctypes.c_char_p
-                return f"{fn().decode()} (threads {openblas_threads()})"
+    for library in threadpool_info():
+        if library["internal_api"] == "openblas":
+            return (f"OpenBLAS {library['version']} {library['architecture']} {library['threading_layer']} "
+                    f"(threads {library['num_threads']})")
     return "OpenBLAS not found"
 
 

@@ -10,8 +10,8 @@ import os
 import sys
 
 from specdec.pass_options import add_model_flags, apply_model_flags
-
-DEFAULT_TARGET = "embedded"
+from specdec.service_config import (CLIENT_API_KEY_ENV, DEFAULT_LOG_LEVEL, DEFAULT_TARGET, LOG_LEVEL_ENV,
+                                    add_role_parsers, client_api_key, log_level, service_config)
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -29,62 +29,9 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
 
-def _add_serve_flags(p: argparse.ArgumentParser, default_port: int) -> None:
-    p.add_argument("--host", default=os.environ.get("SPECDEC_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=default_port)
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus HTTP port (off when unset)")
-    p.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024)
-    p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight streams get on SIGTERM")
-    p.add_argument("--max-sessions", type=int, default=64)
-    p.add_argument("--max-sessions-per-peer", type=int, default=None,
-                   help="drafter/verifier: sessions one client host may hold (default: all of --max-sessions; "
-                        "set it below that where several gateways share a drafter or verifier, so that one "
-                        "of them cannot take every session)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
-    add_model_flags(p)
-    p.add_argument("--idle-timeout", type=float, default=300.0,
-                   help="drafter/verifier: free a session whose stream is silent this long (seconds)")
-    p.add_argument("--threads", type=int, default=os.environ.get("SPECDEC_THREADS", "0"),
-                   help="CPU threads for the model's operations (env SPECDEC_THREADS; 0: one for the gateway "
-                        "and beside a GPU model, else torch's default, one per core of the machine, which in "
-                        "a container is not its CPU share)")
-    p.add_argument("--max-batch-size", type=int, default=16,
-                   help="drafter/verifier: sessions served by one batched forward pass (1 = no batching)")
-    p.add_argument("--batch-wait-ms", type=float, default=5.0,
-                   help="drafter/verifier: hold a pass up to this long for open sessions whose next message "
-                        "has not arrived yet (0: only what queued during the last pass)")
-    p.add_argument("--batch-wait-fraction", type=float, default=0.1,
-                   help="drafter/verifier: ... or up to this fraction of the recent pass time where that is "
-                        "longer (a session that misses a pass waits a whole one; 0: --batch-wait-ms only)")
-    p.add_argument("--prefill-chunk-tokens", type=int, default=None,
-                   help="verifier: while other sessions decode, feed a longer prompt in chunks of this many "
-                        "tokens that share their passes (default 64; 0: one pass per prompt)")
-    p.add_argument("--tls-cert", default=None, help="PEM certificate (env SPECDEC_TLS_CERT); serves TLS")
-    p.add_argument("--tls-key", default=None, help="PEM private key (env SPECDEC_TLS_KEY)")
-    p.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify peers (env SPECDEC_TLS_CA)")
-    p.add_argument("--tls-client-auth", action="store_true", help="require client certificates signed by --tls-ca (mTLS)")
-    p.add_argument("--tls-allowed-peers", action="append", default=[], metavar="NAMES",
-                   help="with --tls-client-auth: take calls only from client certificates naming one of these "
-                        "(comma-separated, repeatable; matched against the SANs and the CN; env "
-                        "SPECDEC_TLS_ALLOWED_PEERS), e.g. the gateway's on drafters and verifiers")
-    p.add_argument("--service-token-file", default=None,
-                   help="drafter/verifier: take calls only with one of these tokens (one per line, for rotation) "
-                        "in x-specdec-service-token; gateway: present the first to drafters and verifiers "
-                        "(env SPECDEC_SERVICE_TOKEN_FILE, or the tokens in SPECDEC_SERVICE_TOKEN). "
-                        "Without one, drafters and verifiers take calls from anyone who reaches them")
-    p.add_argument("--health-port", type=int, default=os.environ.get("SPECDEC_HEALTH_PORT") or None,
-                   help="also serve grpc.health.v1 alone on this plaintext port (Kubernetes' grpc probes "
-                        "cannot speak TLS; env SPECDEC_HEALTH_PORT)")
-    p.add_argument("--otlp-endpoint", default=None,
-                   help="OTLP/gRPC collector for traces and metrics, e.g. http://localhost:4317 "
-                        "(default $OTEL_EXPORTER_OTLP_ENDPOINT; telemetry is off when neither is set)")
-    p.add_argument("--trace-detail", choices=["request", "round"], default=os.environ.get("SPECDEC_TRACE_DETAIL", "request"),
-                   help="request: one span per request/stream, rounds as events; round: a span per round")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Exact distributed speculative decoding")
-    parser.add_argument("--log-level", default=os.environ.get("SPECDEC_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=None, help=f"env {LOG_LEVEL_ENV}; default {DEFAULT_LOG_LEVEL}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text in-process (--local) or through a gateway")
@@ -94,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--target", default=DEFAULT_TARGET, help="target model: hub id, local dir or 'embedded'")
     gen.add_argument("--draft-model", default=None, help="draft model: hub id or local dir")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds (gateway mode)")
-    gen.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"), help="gateway API key")
+    gen.add_argument("--api-key", default=None, help=f"gateway API key (env {CLIENT_API_KEY_ENV})")
     add_model_flags(gen)
     gen.add_argument("--tls-ca", default=None, help="CA to verify the gateway (enables TLS)")
     gen.add_argument("--tls-cert", default=None, help="client certificate (mTLS)")
@@ -103,57 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run one service")
     roles = serve.add_subparsers(dest="role", required=True)
-    verifier = roles.add_parser("verifier")
-    verifier.add_argument("--target", default=DEFAULT_TARGET)
-    verifier.add_argument("--max-new-tokens-cap", type=int, default=2048,
-                          help="the most tokens one session may generate, whatever its request asks (a larger "
-                               "sampling.max_new_tokens is refused)")
-    verifier.add_argument("--no-verify-ahead", action="store_true",
-                          help="do not feed a session's pending token right after a plain round (by default it "
-                               "is fed while the next block is on its way: a plain round then needs no pass)")
-    _add_serve_flags(verifier, 50053)
-    drafter = roles.add_parser("drafter")
-    drafter.add_argument("--method", choices=["model", "ngram", "eagle", "replay"], default="model",
-                         help="eagle: an EAGLE head over the target's streamed features (--draft-model: the head's "
-                              "directory; --target: its target); replay: benchmarks only, recorded continuations at "
-                              "a chosen acceptance (--replay-file)")
-    drafter.add_argument("--draft-model", default=None,
-                         help="hub id or local dir (default for --method model: the shipped draft of the embedded target)")
-    drafter.add_argument("--target", default=DEFAULT_TARGET,
-                         help="--method eagle: the target the head drafts for (its embedding and LM head rows)")
-    drafter.add_argument("--replay-file", default=None,
-                         help="--method replay: the JSON file specdec bench writes (recordings, acceptance, cost); "
-                              "reread whenever it changes")
-    _add_serve_flags(drafter, 50052)
-    gateway = roles.add_parser("gateway")
-    from specdec.up import optional_port
-    gateway.add_argument("--target", default=DEFAULT_TARGET, help="model whose tokenizer and chat template to use")
-    gateway.add_argument("--verifier", action="append", default=[], help="verifier address (repeatable)")
-    gateway.add_argument("--drafter", action="append", default=[], help="drafter address (repeatable)")
-    gateway.add_argument("--discover-verifiers", default=None, metavar="SERVICE",
-                         help="in Kubernetes: watch this Service's EndpointSlices for verifier pods")
-    gateway.add_argument("--discover-drafters", default=None, metavar="SERVICE")
-    gateway.add_argument("--namespace", default=None, help="namespace to watch (default: the pod's own)")
-    gateway.add_argument("--api-keys-file", default=None,
-                         help="require one of these API keys (one per line; also env SPECDEC_API_KEYS)")
-    gateway.add_argument("--max-prompt-tokens", type=int, default=4096)
-    gateway.add_argument("--max-new-tokens-cap", type=int, default=2048)
-    gateway.add_argument("--default-max-new-tokens", type=int, default=128)
-    gateway.add_argument("--max-draft-tokens", type=int, default=16)
-    gateway.add_argument("--verifier-wait", type=float, default=30.0,
-                         help="seconds a request waits for a ready verifier (one restarting) before UNAVAILABLE")
-    gateway.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=False,
-                         help="drafters draft the next block while a verification is in flight "
-                              "(requests may override with speculation.draft_ahead)")
-    gateway.add_argument("--net-delay-ms", type=float, default=0.0,
-                         help="inject this one-way delay on every message to drafters and verifiers "
-                              "(benchmarks of cross-machine round trips; keep 0 in production)")
-    gateway.add_argument("--http-port", type=optional_port, default=None,
-                         help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                              "/v1/models, /health) on this port (off unless set; 'off' or 0: none)")
-    from gateway.http_limits import add_http_limit_arguments
-    add_http_limit_arguments(gateway)
-    _add_serve_flags(gateway, 50051)
+    add_role_parsers(roles)
 
     up = sub.add_parser("up", help="start drafter, verifier and gateway locally, supervised")
     from specdec.up import add_arguments as _add_up_arguments
@@ -292,8 +189,8 @@ def _generate_remote(args) -> int:
         request["prompt"] = args.prompt
     completion = Completion()
     try:
-        with GatewayClient(args.gateway, timeout=args.timeout, api_key=args.api_key, tls_ca=args.tls_ca,
-                           tls_cert=args.tls_cert, tls_key=args.tls_key) as client:
+        with GatewayClient(args.gateway, timeout=args.timeout, api_key=client_api_key(args.api_key, os.environ),
+                           tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key) as client:
             for event in client.stream(**request):
                 fold(completion, event)
                 if isinstance(event, ChunkEvent) and not args.json:
@@ -310,124 +207,23 @@ def _generate_remote(args) -> int:
     return 0
 
 
-def _batching(args):
-    from specdec.rpc.scheduler import BatchingOptions
-
-    if args.max_batch_size < 1:
-        raise SystemExit("--max-batch-size must be >= 1")
-    if args.batch_wait_ms < 0:
-        raise SystemExit("--batch-wait-ms must be >= 0")
-    if not 0 <= args.batch_wait_fraction <= 1:
-        raise SystemExit("--batch-wait-fraction must be in [0, 1]")
-    chunking = {}
-    if args.prefill_chunk_tokens is not None:
-        if args.prefill_chunk_tokens < 0:
-            raise SystemExit("--prefill-chunk-tokens must be >= 0")
-        chunking["prefill_chunk_tokens"] = args.prefill_chunk_tokens
-        # Chunks share passes only if they are not "long jobs" that run alone.
-        chunking["max_row_tokens"] = max(BatchingOptions.max_row_tokens, args.prefill_chunk_tokens)
-    return BatchingOptions(max_batch_size=args.max_batch_size, max_wait_s=args.batch_wait_ms / 1e3,
-                           max_wait_fraction=args.batch_wait_fraction, **chunking)
-
-
-def _sessions_per_peer(args) -> int | None:
-    if args.max_sessions_per_peer is not None and args.max_sessions_per_peer < 1:
-        raise SystemExit("--max-sessions-per-peer must be >= 1")
-    if args.role == "verifier" and args.max_new_tokens_cap < 1:
-        raise SystemExit("--max-new-tokens-cap must be >= 1")
-    return args.max_sessions_per_peer
-
-
-def service_threads(role: str, threads: int, device: str | None) -> int | None:
-    """CPU threads for a service's torch operations; None leaves torch's default (one per core).
-
-    ``--threads`` wins. Otherwise the gateway, and a drafter or verifier whose model runs on an
-    accelerator, use one: their CPU work is per-token vectors, and a pool of one worker per core
-    wakes its sleeping workers for every such operation after each wait (for the GPU, for the next
-    request): on a small host that wake costs more than the operation (scripts/thread_wake_cost.py
-    measures it; docs/sweeps/2026-12-03-batching-across-sessions.md, "On a GPU").
-    """
-    if threads > 0:
-        return threads
-    if role == "gateway":
-        return 1
-    import torch
-
-    from specdec.models import default_device
-
-    on_cpu = (torch.device(device) if device else default_device()).type == "cpu"
-    return None if on_cpu else 1
-
-
 def _serve(args) -> int:
-    from specdec.rpc.server import ServeOptions
-
-    from specdec.rpc.security import TLSConfig, load_api_keys, load_service_tokens, parse_allowed_peers
-
-    tls = TLSConfig.from_sources(args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_auth)
-    allowed_peers = parse_allowed_peers(args.tls_allowed_peers)
-    if allowed_peers and not (tls.enabled and tls.client_auth):
-        raise SystemExit("--tls-allowed-peers needs TLS with client certificates (--tls-cert/--tls-key/--tls-ca "
-                         "and --tls-client-auth)")
-    tokens = load_service_tokens(args.service_token_file)
-    model_service = args.role in ("verifier", "drafter")
-    options = ServeOptions(
-        host=args.host, port=args.port, metrics_port=args.metrics_port,
-        max_message_bytes=args.max_message_bytes, grace_s=args.grace,
-        tls=tls,
-        api_keys=tuple(load_api_keys(args.api_keys_file)) if args.role == "gateway" else (),
-        service_tokens=tuple(tokens) if model_service else (),
-        allowed_peers=allowed_peers,
-        outbound_service_token=tokens[0].decode() if tokens and not model_service else None,
-        health_port=args.health_port,
-    )
-    if model_service and not tokens and not allowed_peers:
-        logging.getLogger("specdec.security").warning(
-            "%s: no service token (--service-token-file, SPECDEC_SERVICE_TOKEN) and no --tls-allowed-peers: "
-            "anyone who reaches this port can call it. Set one in production (README, Security; "
-            "specdec up sets one itself)", args.role)
-    threads = service_threads(args.role, args.threads, args.device)
-    if threads is not None:
+    config = service_config(args, os.environ)
+    if config.threads is not None:
         import torch
 
-        torch.set_num_threads(threads)
-    if args.role == "verifier":
+        torch.set_num_threads(config.threads)
+    if config.role == "verifier":
         from verifier_service.server import serve
-
-        coro = serve(args.target, options, max_sessions=args.max_sessions, device=args.device,
-                     idle_timeout_s=args.idle_timeout, batching=_batching(args),
-                     max_sessions_per_peer=_sessions_per_peer(args), max_new_tokens_cap=args.max_new_tokens_cap,
-                     verify_ahead=not args.no_verify_ahead)
-    elif args.role == "drafter":
+    elif config.role == "drafter":
         from drafter_service.server import serve
-
-        coro = serve(args.method, args.draft_model, options, max_sessions=args.max_sessions, device=args.device,
-                     idle_timeout_s=args.idle_timeout, batching=_batching(args),
-                     max_sessions_per_peer=_sessions_per_peer(args), replay_file=args.replay_file,
-                     target=args.target)
     else:
-        from gateway.http_limits import http_limits_from_args
-        from gateway.server import GatewayLimits, LinkOptions, serve
-
-        http_limits = http_limits_from_args(args)
-        limits = GatewayLimits(
-            max_sessions=args.max_sessions,
-            max_prompt_tokens=args.max_prompt_tokens,
-            max_new_tokens=args.max_new_tokens_cap,
-            default_max_new_tokens=args.default_max_new_tokens,
-            max_draft_tokens=args.max_draft_tokens,
-            verifier_wait_s=args.verifier_wait,
-        )
-        coro = serve(args.target, args.verifier, args.drafter, options, limits,
-                     discover_verifiers=args.discover_verifiers, discover_drafters=args.discover_drafters,
-                     namespace=args.namespace,
-                     link_options=LinkOptions(draft_ahead=args.draft_ahead, net_delay_s=args.net_delay_ms / 1000),
-                     http_port=args.http_port or None, http_limits=http_limits)
+        from gateway.server import serve
     from specdec import telemetry
 
-    telemetry.setup(f"specdec-{args.role}", endpoint=args.otlp_endpoint, detail=args.trace_detail)
+    telemetry.setup(f"specdec-{config.role}", endpoint=config.otlp_endpoint, detail=config.trace_detail)
     try:
-        asyncio.run(coro)
+        asyncio.run(serve(config))
     finally:
         telemetry.shutdown()  # flush spans and metrics still batched
     return 0
@@ -467,7 +263,7 @@ def _bench(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level(args.log_level, os.environ), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     apply_model_flags(args)
     if args.command == "generate":
         return _generate_local(args) if args.local else _generate_remote(args)

@@ -21,7 +21,7 @@ import socket
 import sys
 import threading
 
-from specdec.pass_options import RUNTIME_ENV
+from specdec.service_config import SERVICE_TOKEN_ENV, SERVICE_TOKEN_FILE_ENV, optional_port, service_tokens, tls_config
 from specdec.supervisor import ChildSpec, Supervisor
 
 LOG_PREFIX = "[up      ]"
@@ -88,19 +88,6 @@ def add_arguments(up: argparse.ArgumentParser, default_target: str) -> None:
     up.add_argument("--service-token-file", default=None,
                     help="the token the gateway presents to drafter and verifier (default: a random one per run, "
                          "which nothing outside the stack knows)")
-
-
-def optional_port(text: str) -> int:
-    """A port flag that can be turned off: ``off`` (or 0) is 0, which means none."""
-    if text.strip().lower() in ("off", "none", "0"):
-        return 0
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number or 'off', not {text!r}") from None
-    if not 0 < port < 65536:
-        raise argparse.ArgumentTypeError(f"port {port} is outside 1-65535")
-    return port
 
 
 def default_http_port(host: str) -> int:
@@ -188,16 +175,14 @@ def service_token_env(args) -> dict[str, str]:
     fresh random token (and no inherited token file, so the three agree on exactly this one)."""
     path = getattr(args, "service_token_file", None)
     if path:
-        from specdec.rpc.security import load_service_tokens
-
-        load_service_tokens(path)  # a bad file stops here, not in three children restarting forever
-        return {"SPECDEC_SERVICE_TOKEN_FILE": os.path.abspath(path), "SPECDEC_SERVICE_TOKEN": ""}
-    return {"SPECDEC_SERVICE_TOKEN": secrets.token_urlsafe(32), "SPECDEC_SERVICE_TOKEN_FILE": ""}
+        service_tokens({}, path)  # a bad file stops here, not in three children restarting forever
+        return {SERVICE_TOKEN_FILE_ENV: os.path.abspath(path), SERVICE_TOKEN_ENV: ""}
+    return {SERVICE_TOKEN_ENV: secrets.token_urlsafe(32), SERVICE_TOKEN_FILE_ENV: ""}
 
 
 def children(args) -> list[ChildSpec]:
     """The three services' commands (raises SystemExit for a draft method that cannot run)."""
-    from specdec.models import EMBEDDED_EAGLE, default_draft_model, default_eagle_head
+    from specdec.models import EMBEDDED_EAGLE, default_draft_model, default_eagle_head, requested_runtime
 
     host = args.host
     gateway_port, drafter_port, verifier_port = service_ports(args)
@@ -243,8 +228,7 @@ def children(args) -> list[ChildSpec]:
         verifier_threads = ["--threads", str(len(verifier_cpus))]
     # An EAGLE head reads the target's features, which the gguf runtime does not give: its verifier runs
     # a torch runtime unless one was named.
-    verifier_runtime = (["--runtime", "torch"] if method == "eagle" and os.environ.get(RUNTIME_ENV, "auto") == "auto"
-                        else [])
+    verifier_runtime = ["--runtime", "torch"] if method == "eagle" and requested_runtime(None) == "auto" else []
     return [
         ChildSpec("verifier", base + ["verifier", "--target", args.target, "--host", host, "--port",
                                       str(verifier_port), *verifier_threads, *verifier_runtime, *common,
@@ -269,9 +253,7 @@ def _health_credentials(args):
     """Channel credentials for the health checks of a TLS stack (None: plaintext)."""
     if not args.tls_cert:
         return None
-    from specdec.rpc.security import TLSConfig
-
-    return TLSConfig.from_sources(args.tls_cert, args.tls_key, args.tls_ca).channel_credentials()
+    return tls_config(os.environ, args.tls_cert, args.tls_key, args.tls_ca).channel_credentials()
 
 
 def _announce_ready(supervisor: Supervisor, specs: list[ChildSpec]) -> None:

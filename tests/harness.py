@@ -104,6 +104,15 @@ class Stack:
         for service in self.all:
             service.stop()
 
+    def wait_gateway_sees_every_verifier(self, timeout: float = 120.0) -> None:
+        """Until the gateway has found each verifier ready (its log says so once per replica): it
+        serves as soon as one is, and polls the others. The timeout is a hang guard."""
+        deadline = time.monotonic() + timeout
+        while not all(f"verifier {v.address} ready" in self.gateway.log() for v in self.verifiers):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the gateway did not see every verifier ready:\n{self.gateway.log()}")
+            time.sleep(0.05)
+
 
 def start_stack(target: Path | str, draft: Path | str | None, log_dir: Path, *, verifiers: int = 1,
                 gateway_args: list[str] = (), verifier_args: list[str] = (), drafter_args: list[str] = (),

@@ -144,8 +144,7 @@ def test_least_loaded_routing_across_live_verifiers(two_verifiers):
             info = verifier_pb2_grpc.VerifierStub(channel).GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=5)
         return info.load.active_sessions
 
-    # The gateway serves as soon as one verifier is ready and polls the rest every 0.5 s.
-    time.sleep(1.5)
+    two_verifiers.wait_gateway_sees_every_verifier()  # it serves once one is ready, and polls the rest
     channel = grpc.insecure_channel(two_verifiers.gateway.address)
     stub = gateway_pb2_grpc.GatewayStub(channel)
     calls = []

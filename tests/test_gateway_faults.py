@@ -167,9 +167,9 @@ class CancellingDrafter:
         if self.calls == self.at:
             if self.mode == "cancel_then_write":
                 await self.stub.CancelDraft(drafter_pb2.CancelDraftRequest(session_id=self.link.session_id), timeout=5)
-                deadline = time.monotonic() + 5
-                while not self.link.call.done() and time.monotonic() < deadline:
-                    await asyncio.sleep(0.01)
+                # The stream's end itself: awaiting its status returns once the cancel has ended it
+                # (60 s: a hang guard, not a bound on the cancel).
+                await asyncio.wait_for(self.link.call.code(), 60)
                 assert self.link.call.done()
             elif self.mode == "cancel_racing":
                 asyncio.ensure_future(

@@ -251,15 +251,24 @@ async def test_a_session_started_as_another_closes_gets_its_sequence(files, monk
             first = stub.Verify()
             await first.write(start("first"))
             assert len((await first.read()).token_ids) == 1
-            service.executor.submit(busy.wait, 30)  # a long pass: the first session's close queues behind it
+            # A pass that lasts until this test ends it: the first session's close queues behind it.
+            service.executor.submit(busy.wait, 600)
             first.cancel()
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 60  # a hang guard, well inside the busy pass
             while len(service.sessions):
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.01)
+            # The first one's close is queued on the model thread (submitted as it left the sessions);
+            # what the model thread is given next is the second session's making.
+            queued = []
+            submit = service.executor.submit
+            monkeypatch.setattr(service.executor, "submit", lambda fn, *args: (queued.append(fn), submit(fn, *args))[1])
             second = stub.Verify()
             await second.write(start("second"))
-            await asyncio.sleep(0.2)  # the start has reached the service
+            deadline = time.monotonic() + 60  # until the start has reached the model thread's queue (or failed)
+            while not queued and not second.done():
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
             busy.set()
             assert len((await second.read()).token_ids) == 1
             await second.done_writing()

@@ -181,11 +181,12 @@ def test_cli_accepts_the_manifest_args(rendered):
         assert parsed.command == "serve"
 
 
-def test_model_services_take_their_threads_from_their_cpu_request(rendered, monkeypatch):
+def test_model_services_take_their_threads_from_their_cpu_request(rendered):
     """torch sizes its thread pool by the node's cores, not the pod's CPU share: on CPUs the drafter
     and the verifier get SPECDEC_THREADS from their own CPU request, and the CLI reads it. Beside a
     GPU it is 0, which the services take as one thread (``service_threads``)."""
     from specdec.cli import build_parser
+    from specdec.service_config import service_config
 
     overlay, objects = rendered
     model_services = [d for d in deployments(objects) if d["metadata"]["name"] in ("specdec-verifier", "specdec-drafter")]
@@ -200,10 +201,13 @@ def test_model_services_take_their_threads_from_their_cpu_request(rendered, monk
         ref = env["SPECDEC_THREADS"]["valueFrom"]["resourceFieldRef"]
         assert ref == {"containerName": container["name"], "resource": "requests.cpu", "divisor": "1"}, name
         assert container["resources"]["requests"]["cpu"], name
-    monkeypatch.setenv("SPECDEC_THREADS", "3")
-    assert build_parser().parse_args(["serve", "drafter"]).threads == 3
-    monkeypatch.delenv("SPECDEC_THREADS")
-    assert build_parser().parse_args(["serve", "verifier"]).threads == 0
+    assert service_config(build_parser().parse_args(["serve", "drafter"]), {"SPECDEC_THREADS": "3"}).threads == 3
+    assert service_config(build_parser().parse_args(["serve", "drafter", "--threads", "2"]),
+                          {"SPECDEC_THREADS": "3"}).threads == 2  # the flag wins
+    # 0 (the GPU overlays' value, or none set): one thread beside a GPU, torch's default on a CPU
+    for env in ({"SPECDEC_THREADS": "0"}, {}):
+        assert service_config(build_parser().parse_args(["serve", "verifier", "--device", "cpu"]), env).threads is None
+        assert service_config(build_parser().parse_args(["serve", "verifier", "--device", "cuda"]), env).threads == 1
 
 
 # -- who may call whom -------------------------------------------------------------------------------
@@ -261,11 +265,11 @@ def test_network_policies_let_only_gateways_reach_the_model_services(rendered):
     assert not any(selects(p["spec"]["podSelector"], gateway_labels) for p in policies)
 
 
-def test_every_service_reads_the_service_token_from_the_operators_secret(rendered, tmp_path, monkeypatch):
+def test_every_service_reads_the_service_token_from_the_operators_secret(rendered, tmp_path):
     """Gateway, drafter and verifier take the token from Secret specdec-service-token (mounted as a
     file, not optional: without it a pod waits instead of starting open). The manifests hold no
     Secret: the operator creates it (docs/kubernetes.md)."""
-    from specdec.rpc.security import load_service_tokens
+    from specdec.service_config import service_tokens
 
     _, objects = rendered
     assert not [o for o in objects if o["kind"] == "Secret"], "secret material does not belong in the repository"
@@ -284,17 +288,15 @@ def test_every_service_reads_the_service_token_from_the_operators_secret(rendere
         assert {"key": "token", "path": path[len(mount["mountPath"].rstrip("/")) + 1:]} in secret["items"], name
     token = tmp_path / "token"
     token.write_text("a-generated-token-of-43-characters-0123456\n")
-    monkeypatch.delenv("SPECDEC_SERVICE_TOKEN", raising=False)
-    monkeypatch.setenv("SPECDEC_SERVICE_TOKEN_FILE", str(token))
-    assert load_service_tokens() == [b"a-generated-token-of-43-characters-0123456"]
+    assert service_tokens({"SPECDEC_SERVICE_TOKEN_FILE": str(token)}) == [b"a-generated-token-of-43-characters-0123456"]
 
 
-def test_tls_component_secures_every_hop(rendered, monkeypatch):
+def test_tls_component_secures_every_hop(rendered):
     """With k8s/components/tls: each service serves its own certificate; drafters and verifiers
     require a client certificate from the CA naming the gateway; probes go to a plaintext
     health-only port (the kubelet's grpc probes cannot speak TLS)."""
     from specdec.cli import build_parser
-    from specdec.rpc.security import TLSConfig, parse_allowed_peers
+    from specdec.service_config import serve_options
 
     variant, objects = rendered
     if "tls" not in variant.split("+"):
@@ -306,22 +308,20 @@ def test_tls_component_secures_every_hop(rendered, monkeypatch):
         if not name.startswith("specdec-"):
             continue
         pod, container = template["spec"], template["spec"]["containers"][0]
-        env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
-        for key in [k for k in os.environ if k.startswith("SPECDEC_TLS_")]:
-            monkeypatch.delenv(key)
-        for key, value in env.items():
-            monkeypatch.setenv(key, value)
-        tls = TLSConfig.from_sources()
+        # The pod's environment, less the token and key files, which only the pod has (tested above).
+        env = {e["name"]: e["value"] for e in container["env"] if "value" in e and not e["name"].endswith("_FILE")}
+        options = serve_options(build_parser().parse_args(["serve", name.removeprefix("specdec-")]), env)
+        tls = options.tls
         assert tls.enabled and tls.ca is not None
         mount = next(m for m in container["volumeMounts"] if str(tls.cert).startswith(m["mountPath"] + "/"))
         secret = next(v for v in pod["volumes"] if v["name"] == mount["name"])["secret"]
         assert secret["secretName"] == f"{name}-tls"
         assert {tls.cert.name, tls.key.name, tls.ca.name} == {"tls.crt", "tls.key", "ca.crt"}  # cert-manager's keys
         if name in MODEL_SERVICES:
-            assert tls.client_auth and parse_allowed_peers([]) == ("specdec-gateway.specdec.svc",), name
+            assert tls.client_auth and options.allowed_peers == ("specdec-gateway.specdec.svc",), name
         else:
-            assert not tls.client_auth and parse_allowed_peers([]) == ()
-        health_port = build_parser().parse_args(["serve", name.removeprefix("specdec-")]).health_port
+            assert not tls.client_auth and options.allowed_peers == ()
+        health_port = options.health_port
         assert health_port and {"name": "health", "containerPort": health_port} in container["ports"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"]["port"] == health_port, f"{name}/{probe}"

@@ -424,6 +424,33 @@ def test_a_plan_never_mixes_threading_runtimes():
     assert choose_backends(table, backends) == {1: "numpy", 2: "numpy", 8: "numpy", 64: "numpy"}
 
 
+def test_the_thread_regime_hands_torchs_threads_to_openblas_and_back():
+    """While numpy multiplies, OpenBLAS gets torch's threads and torch one; after, torch has them
+    back; a torch pass keeps OpenBLAS on one thread. The counts are read from the libraries
+    themselves (threadpoolctl's scan), not from the regime's cached handle."""
+    from threadpoolctl import threadpool_info
+
+    from specdec.lean.matmul import ThreadRegime
+
+    def blas_threads() -> set[int]:
+        return {lib["num_threads"] for lib in threadpool_info() if lib["internal_api"] == "openblas"}
+
+    if not blas_threads():
+        pytest.skip("this numpy has no OpenBLAS")
+    numpy_backend, torch_backend = (available_backends(torch.device("cpu"))[name] for name in ("numpy", "torch"))
+    regime, before = ThreadRegime(), torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for _ in range(2):  # twice: the second round's counts come from the cached handle
+            with regime(numpy_backend):
+                assert (torch.get_num_threads(), blas_threads()) == (1, {2})
+            assert torch.get_num_threads() == 2
+            with regime(torch_backend):
+                assert (torch.get_num_threads(), blas_threads()) == (2, {1})
+    finally:
+        torch.set_num_threads(before)
+
+
 class _LargestScores:
     """numpy as ``specdec.lean.numpy_pass`` sees it, noting the largest 4-d product (the attention
     scores [kv_heads, groups, rows, keys]; the other 4-d product, scores times values, is smaller)."""

@@ -126,7 +126,7 @@ def test_200_random_cancellations_leave_no_session(stack):
                 await asyncio.gather(*(one(client, i) for i in range(start, start + 8)))
 
     asyncio.run(storm())
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 120  # a hang guard: the sessions are freed once their cancels land
     while time.monotonic() < deadline:
         counts = (active_sessions(stack.verifiers[0].address, "verifier"),
                   active_sessions(stack.drafters[0].address, "drafter"), gateway_active(stack))
@@ -266,7 +266,7 @@ def test_sigterm_with_four_streams_in_flight(tiny_pair, tmp_path):
 def test_verifier_killed_with_a_replica_migrates_and_stays_exact(tiny_pair, noisy_draft, tiny_target, tmp_path):
     stack = start_stack(tiny_pair[1], noisy_draft, tmp_path, verifiers=2)
     try:
-        time.sleep(1.5)  # let the gateway see both replicas (it polls every 0.5 s until all are ready)
+        stack.wait_gateway_sees_every_verifier()
         started, outcome = threading.Event(), {}
         thread = stream_in_thread(stack.gateway.address, started, outcome, prompt="the quick brown", max_new_tokens=300,
                                   method="model", num_draft_tokens=3)
@@ -305,14 +305,14 @@ def test_idle_sessions_are_reaped_and_late_cancels_are_not_found(tiny_pair, tmp_
                 yield start
                 time.sleep(30)  # never another message
 
-            call = stub.Verify(silent(), timeout=20)
+            call = stub.Verify(silent(), timeout=120)  # a hang guard: the reaper, not this deadline, ends it
             first = next(call)
             assert len(first.token_ids) == 1 and active_sessions(verifier.address, "verifier") == 1
-            t0 = time.monotonic()
             with pytest.raises(grpc.RpcError) as info:
                 next(call)
+            # The server's reaper ended it (its message), not the client's deadline (which has none).
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert time.monotonic() - t0 < 5
+            assert "session idle for more than 1s; state freed" in info.value.details(), info.value.details()
             assert active_sessions(verifier.address, "verifier") == 0
 
             # Out-of-band cancel of a live session ends its stream; a late one is NOT_FOUND.

@@ -443,30 +443,25 @@ def test_allowed_peers_need_client_certificates():
 
 # -- where tokens come from ------------------------------------------------------------------------
 
-def test_service_tokens_from_file_and_environment(tmp_path, monkeypatch):
-    from specdec.rpc.security import load_service_tokens, parse_allowed_peers
+def test_service_tokens_from_file_and_environment(tmp_path):
+    from specdec.service_config import allowed_peers, service_tokens
 
     new, old = "n" * 20, "o" * 20
     path = tmp_path / "token"
     path.write_text(f"# rotation: new first (presented), old still accepted\n{new}\n\n{old}\n")
-    monkeypatch.delenv("SPECDEC_SERVICE_TOKEN", raising=False)
-    monkeypatch.delenv("SPECDEC_SERVICE_TOKEN_FILE", raising=False)
-    assert load_service_tokens() == []
-    assert load_service_tokens(str(path)) == [new.encode(), old.encode()]
-    monkeypatch.setenv("SPECDEC_SERVICE_TOKEN_FILE", str(path))
-    monkeypatch.setenv("SPECDEC_SERVICE_TOKEN", "e" * 20 + ", " + "f" * 20)
-    assert load_service_tokens() == [new.encode(), old.encode(), b"e" * 20, b"f" * 20]
-    monkeypatch.setenv("SPECDEC_SERVICE_TOKEN", "short")
+    assert service_tokens({}) == []
+    assert service_tokens({}, str(path)) == [new.encode(), old.encode()]
+    environ = {"SPECDEC_SERVICE_TOKEN_FILE": str(path), "SPECDEC_SERVICE_TOKEN": "e" * 20 + ", " + "f" * 20}
+    assert service_tokens(environ) == [new.encode(), old.encode(), b"e" * 20, b"f" * 20]
     with pytest.raises(SystemExit, match="at least 16"):
-        load_service_tokens()
+        service_tokens({"SPECDEC_SERVICE_TOKEN": "short"})
     (tmp_path / "empty").write_text("# nothing\n")
     with pytest.raises(SystemExit, match="holds no token"):
-        load_service_tokens(str(tmp_path / "empty"))
+        service_tokens({}, str(tmp_path / "empty"))
     with pytest.raises(SystemExit, match="cannot read"):
-        load_service_tokens(str(tmp_path / "missing"))
-    monkeypatch.setenv("SPECDEC_TLS_ALLOWED_PEERS", "a, b")
-    assert parse_allowed_peers([]) == ("a", "b")
-    assert parse_allowed_peers(["c,d", "e"]) == ("c", "d", "e")
+        service_tokens(environ, str(tmp_path / "missing"))  # the flag's file wins over the variable's
+    assert allowed_peers({"SPECDEC_TLS_ALLOWED_PEERS": "a, b"}) == ("a", "b")
+    assert allowed_peers({"SPECDEC_TLS_ALLOWED_PEERS": "a, b"}, ["c,d", "e"]) == ("c", "d", "e")
 
 
 def test_token_metadata_merges_with_the_callers():

@@ -149,6 +149,21 @@ def test_a_child_whose_supervisor_is_already_gone_never_runs_its_command(tmp_pat
     assert marker.exists()
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: every child runs on it anyway")
+def test_a_child_runs_on_the_cpus_it_was_given_and_every_thread_it_starts_inherits_them():
+    """The affinity is set in the child (specdec.child_init, before the exec), not in a preexec_fn:
+    the command and a thread it starts report the one core they were given."""
+    from specdec.child_init import child_command
+
+    given = min(os.sched_getaffinity(0))
+    report = ("import os, threading; seen = []; t = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)));"
+              " t.start(); t.join(); print(sorted(os.sched_getaffinity(0)), sorted(seen[0]))")
+    shown = subprocess.run(child_command([sys.executable, "-c", report], parent=os.getpid(), cpus=frozenset({given})),
+                           capture_output=True, text=True, timeout=30)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.strip() == f"[{given}] [{given}]"
+
+
 def _listened_on(port: int) -> bool:
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a restarted service binds it

@@ -372,7 +372,7 @@ def test_serve_threads_flag_sets_the_model_threads(tiny_pair, tmp_path):
 
 def test_services_beside_a_gpu_and_the_gateway_default_to_one_thread():
     """Their CPU work is per-token vectors: a pool of one worker per core only adds wake-ups."""
-    from specdec.cli import service_threads
+    from specdec.service_config import service_threads
 
     assert service_threads("gateway", 0, None) == 1
     assert service_threads("verifier", 0, "cuda") == 1

@@ -76,12 +76,15 @@ def test_shutdown_drains_in_order(tmp_path):
         f"def bye(*_):\n    open({str(log)!r}, 'a').write(sys.argv[1] + ' ' + repr(time.monotonic()) + '\\n')\n"
         "    time.sleep(0.3)\n    sys.exit(0)\n"
         "signal.signal(signal.SIGTERM, bye)\n"
+        f"open({str(tmp_path)!r} + '/armed-' + sys.argv[1], 'w').close()\n"
         "time.sleep(120)\n"
     )
+    names = ("verifier", "gateway", "drafter")
     specs = [ChildSpec(name, [sys.executable, "-c", script, name], "", drain_order=order)
-             for name, order in (("verifier", 1), ("gateway", 0), ("drafter", 1))]
-    supervisor, thread, _ = _supervise(specs)
-    time.sleep(0.5)  # let the children install their handlers
+             for name, order in zip(names, (1, 0, 1))]
+    supervisor, thread, lines = _supervise(specs)
+    # Until each child has its handler (60 s: a hang guard): a SIGTERM before it would kill, not drain.
+    assert _wait(lambda: all((tmp_path / f"armed-{name}").exists() for name in names), 60), lines
     supervisor.stop.set()
     thread.join()
     codes = supervisor.shutdown()

@@ -12,10 +12,10 @@ from specdec.costs import measure_forward_curve
 from specdec.models import MAX_VOCAB_PADDING, LoadedModel, load_model
 from specdec.rpc import convert
 from specdec.ragged import BatchInfo
-from specdec.rpc.scheduler import BatchingOptions
-from specdec.rpc.server import NotReady, idle_guard, ServeOptions, ServiceRuntime, map_errors, map_unary_errors
+from specdec.rpc.server import NotReady, idle_guard, ServiceRuntime, map_errors, map_unary_errors
 from specdec.rpc.sessions import ModelWorkerService, validate_session_id
 from specdec.sampling import DraftProposal, with_random_seed
+from specdec.service_config import VerifierConfig
 from specdec.target_features import WIRE_DTYPE
 from specdec.v1 import types_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.verification import PendingForward, PrefillChunk, TargetSession, Verdict, VerifyJob, verify_batch
@@ -247,18 +247,16 @@ def _us_since(started: float) -> int:
     return int((time.perf_counter() - started) * 1e6)
 
 
-async def serve(target: str, options: ServeOptions, max_sessions: int = 64, device: str | None = None,
-                idle_timeout_s: float | None = 300.0, batching: BatchingOptions | None = None,
-                max_sessions_per_peer: int | None = None,
-                max_new_tokens_cap: int = DEFAULT_MAX_NEW_TOKENS_CAP, verify_ahead: bool = True) -> None:
+async def serve(config: VerifierConfig) -> None:
+    options = config.serve
     runtime = ServiceRuntime(SERVICE_NAME, options)
-    service = VerifierService(runtime, max_sessions=max_sessions, idle_timeout_s=idle_timeout_s, batching=batching,
-                              max_sessions_per_peer=max_sessions_per_peer, max_new_tokens_cap=max_new_tokens_cap,
-                              verify_ahead=verify_ahead)
+    service = VerifierService(runtime, max_sessions=config.max_sessions, idle_timeout_s=config.idle_timeout_s,
+                              batching=config.batching, max_sessions_per_peer=config.max_sessions_per_peer,
+                              max_new_tokens_cap=config.max_new_tokens_cap, verify_ahead=config.verify_ahead)
     verifier_pb2_grpc.add_VerifierServicer_to_server(service, runtime.server)
     port = await runtime.start()
     runtime.install_signal_handlers()
     log.info("verifier listening on %s:%d (metrics %s)", options.host, port, runtime.metrics_port)
     print(f"specdec verifier listening on {options.host}:{port}", flush=True)
-    await service.load(target, device=device)
+    await service.load(config.target, device=config.device)
     await runtime.wait_and_drain()

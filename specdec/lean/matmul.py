@@ -18,7 +18,6 @@ counts (``choose_backends``): one threading runtime owns the cores.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import json
 import logging
@@ -156,48 +155,37 @@ class Linear:
         self.handles.pop(name, None)
 
 
-# numpy's OpenBLAS thread count, through its C API (threadpoolctl is not a dependency).
-_OPENBLAS_SETTERS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
-                     "openblas_set_num_threads64_", "openblas_set_num_threads")
+class OpenBLASThreads:
+    """numpy's OpenBLAS thread count, through threadpoolctl. Its controllers are found once (the scan
+    of loaded libraries is the costly part) and kept: the thread regime sets the count on every pass."""
+
+    def __init__(self) -> None:
+        self._controllers: list | None = None  # None: not looked up yet
+        self._count: int | None = None  # the count last set, so an unchanged one costs no library call
+
+    def _libraries(self) -> list:
+        if self._controllers is None:
+            import numpy  # noqa: F401  (loads its BLAS, so that the scan finds it)
+            from threadpoolctl import ThreadpoolController
+
+            self._controllers = ThreadpoolController().select(internal_api="openblas").lib_controllers
+        return self._controllers
+
+    def __call__(self, count: int | None = None) -> int | None:
+        """Set (``count``) and return the thread count; None where no OpenBLAS is loaded."""
+        libraries = self._libraries()
+        if not libraries:
+            return None
+        if count is None:
+            return libraries[0].get_num_threads()
+        if count != self._count:
+            for library in libraries:
+                library.set_num_threads(int(count))
+            self._count = int(count)
+        return self._count
 
 
-_openblas_state: dict = {}
-
-
-def openblas_threads(count: int | None = None) -> int | None:
-    """Set (``count``) and return numpy's OpenBLAS thread count; None where it cannot be reached."""
-    if "lib" not in _openblas_state:
-        _openblas_state["lib"] = _find_openblas()
-    lib = _openblas_state["lib"]
-    if lib is None:
-        return None
-    getter, setter = lib
-    if count is not None and count != _openblas_state.get("count"):
-        setter(int(count))
-        _openblas_state["count"] = int(count)
-    return int(getter())
-
-
-def _find_openblas():
-    try:
-        import numpy  # noqa: F401  (loads its BLAS)
-
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "openblas" in line.lower() and "/" in line}
-    except OSError:
-        return None
-    for path in sorted(paths):
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for name in _OPENBLAS_SETTERS:
-            setter = getattr(lib, name, None)
-            getter = getattr(lib, name.replace("set_num_threads", "get_num_threads"), None)
-            if setter is not None and getter is not None:
-                setter.argtypes, getter.restype = [ctypes.c_int], ctypes.c_int
-                return getter, setter
-    return None
+openblas_threads = OpenBLASThreads()
 
 
 class ThreadRegime:

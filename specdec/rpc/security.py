@@ -2,15 +2,14 @@
 
 One identity per service: its certificate and key serve its port and, for the gateway, identify
 it to drafters and verifiers; one CA verifies peers. With ``client_auth`` a server refuses
-clients without a certificate signed by the CA (mTLS). Paths come from flags or the
-``SPECDEC_TLS_CERT`` / ``SPECDEC_TLS_KEY`` / ``SPECDEC_TLS_CA`` environment variables.
+clients without a certificate signed by the CA (mTLS). Paths, keys and tokens come from flags or
+the environment, read in ``specdec.service_config``; this module only checks and uses them.
 
 Clients authenticate to the gateway with API keys. Drafters and verifiers take calls only from a
 gateway, which proves itself with credentials of its own, never a client's API key:
 
-- a service token in the ``x-specdec-service-token`` metadata header (``--service-token-file``,
-  ``SPECDEC_SERVICE_TOKEN_FILE``, ``SPECDEC_SERVICE_TOKEN``; several accepted at once for
-  rotation, the first is the one a gateway presents), compared in constant time; refused with
+- a service token in the ``x-specdec-service-token`` metadata header (several accepted at once
+  for rotation, the first is the one a gateway presents), compared in constant time; refused with
   UNAUTHENTICATED;
 - with mTLS, an allow-list of peer identities (``--tls-allowed-peers``, matched against the
   client certificate's subject alternative names and common name), so that a certificate from
@@ -24,7 +23,6 @@ from __future__ import annotations
 import hmac
 import inspect
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,12 +53,8 @@ class TLSConfig:
 
     @staticmethod
     def from_sources(cert=None, key=None, ca=None, client_auth: bool = False) -> "TLSConfig":
-        def pick(value, env):
-            value = value or os.environ.get(env)
-            return Path(value) if value else None
-
-        config = TLSConfig(pick(cert, "SPECDEC_TLS_CERT"), pick(key, "SPECDEC_TLS_KEY"), pick(ca, "SPECDEC_TLS_CA"),
-                           client_auth or os.environ.get("SPECDEC_TLS_CLIENT_AUTH", "") in ("1", "true"))
+        """From paths (None or empty: not given); SystemExit for a combination that cannot work."""
+        config = TLSConfig(*(Path(path) if path else None for path in (cert, key, ca)), client_auth)
         if (config.cert is None) != (config.key is None):
             raise SystemExit("TLS needs both a certificate and a key")
         if config.client_auth and config.ca is None:
@@ -88,13 +82,12 @@ class TLSConfig:
         return self.ca is not None or self.enabled
 
 
-def load_api_keys(path: str | None = None) -> list[bytes]:
-    """Keys from a file (one per line) or ``SPECDEC_API_KEYS`` (comma-separated). None = open."""
+def load_api_keys(path: str | None = None, listed: str = "") -> list[bytes]:
+    """Keys from a file (one per line) and ``listed`` (comma-separated). [] = open."""
     keys: list[str] = []
-    path = path or os.environ.get("SPECDEC_API_KEYS_FILE")
     if path:
         keys += [line.strip() for line in Path(path).read_text().splitlines() if line.strip() and not line.startswith("#")]
-    keys += [k.strip() for k in os.environ.get("SPECDEC_API_KEYS", "").split(",") if k.strip()]
+    keys += [k.strip() for k in listed.split(",") if k.strip()]
     return [k.encode() for k in keys]
 
 
@@ -117,12 +110,10 @@ def key_is_valid(presented: bytes | None, keys: list[bytes]) -> bool:
     return matched
 
 
-def load_service_tokens(path: str | None = None) -> list[bytes]:
-    """Service tokens from a file (one per line, ``#`` comments; the flag's path or
-    ``SPECDEC_SERVICE_TOKEN_FILE``) and ``SPECDEC_SERVICE_TOKEN`` (comma-separated), in that order.
-    The first is the one a gateway presents; drafters and verifiers accept any. [] = none set."""
+def load_service_tokens(path: str | None = None, listed: str = "") -> list[bytes]:
+    """Service tokens from a file (one per line, ``#`` comments) and ``listed`` (comma-separated), in
+    that order. The first is the one a gateway presents; drafters and verifiers accept any. [] = none set."""
     tokens: list[str] = []
-    path = path or os.environ.get("SPECDEC_SERVICE_TOKEN_FILE")
     if path:
         try:
             text = Path(path).read_text()
@@ -131,7 +122,7 @@ def load_service_tokens(path: str | None = None) -> list[bytes]:
         tokens += [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
         if not tokens:
             raise SystemExit(f"the service token file {path} holds no token")
-    tokens += [t.strip() for t in os.environ.get("SPECDEC_SERVICE_TOKEN", "").split(",") if t.strip()]
+    tokens += [t.strip() for t in listed.split(",") if t.strip()]
     for token in tokens:
         if len(token) < MIN_SERVICE_TOKEN_LENGTH or not token.isascii() or not token.isprintable() or " " in token:
             raise SystemExit(f"a service token must be at least {MIN_SERVICE_TOKEN_LENGTH} printable ASCII characters "
@@ -139,10 +130,8 @@ def load_service_tokens(path: str | None = None) -> list[bytes]:
     return [t.encode() for t in tokens]
 
 
-def parse_allowed_peers(values=None) -> tuple[str, ...]:
-    """Peer identities from ``--tls-allowed-peers`` (repeatable, comma-separated) or, when none are
-    given, ``SPECDEC_TLS_ALLOWED_PEERS``."""
-    values = list(values or []) or [os.environ.get("SPECDEC_TLS_ALLOWED_PEERS", "")]
+def parse_allowed_peers(values=()) -> tuple[str, ...]:
+    """Peer identities from comma-separated ``values``."""
     return tuple(name.strip() for value in values for name in value.split(",") if name.strip())
 
 

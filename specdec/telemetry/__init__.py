@@ -10,12 +10,12 @@
   ``GenAIMetrics``).
 """
 
-from specdec.telemetry.export import DETAIL_ENV, DETAILS, Telemetry, current, setup, shutdown
+from specdec.telemetry.export import DETAILS, Telemetry, current, setup, shutdown
 from specdec.telemetry.metrics import METRICS, GenAIMetrics, MetricDef, ServiceMetrics
 from specdec.telemetry.request import RequestTelemetry
 from specdec.telemetry.spans import MAX_ROUND_SPANS, MAX_SPANS_PER_REQUEST, SessionTrace
 
 __all__ = [
-    "DETAILS", "DETAIL_ENV", "MAX_ROUND_SPANS", "MAX_SPANS_PER_REQUEST", "METRICS", "GenAIMetrics", "MetricDef",
+    "DETAILS", "MAX_ROUND_SPANS", "MAX_SPANS_PER_REQUEST", "METRICS", "GenAIMetrics", "MetricDef",
     "RequestTelemetry", "ServiceMetrics", "SessionTrace", "Telemetry", "current", "setup", "shutdown",
 ]

@@ -6,7 +6,7 @@ Configured from the standard OpenTelemetry environment (``OTEL_EXPORTER_OTLP_END
 ``OTEL_METRIC_EXPORT_INTERVAL``, ``OTEL_PROPAGATORS``, ``OTEL_SDK_DISABLED``,
 ``OTEL_TRACES_EXPORTER=none`` / ``OTEL_METRICS_EXPORTER=none``) and the serve flags
 ``--otlp-endpoint`` and ``--trace-detail {request,round}`` (default ``$SPECDEC_TRACE_DETAIL`` or
-``request``). Spans go out over OTLP/gRPC through a BatchSpanProcessor, metrics through a periodic
+``request``, resolved in ``specdec.service_config``). Spans go out over OTLP/gRPC through a BatchSpanProcessor, metrics through a periodic
 OTLP/gRPC reader whose views give the histograms of ``metrics.METRICS`` their buckets. With no
 endpoint configured nothing is installed and nothing is imported from the SDK: every hook is a
 ``None`` check.
@@ -24,7 +24,6 @@ from specdec.telemetry.metrics import metric_views
 log = logging.getLogger("specdec.telemetry")
 
 DETAILS = ("request", "round")
-DETAIL_ENV = "SPECDEC_TRACE_DETAIL"
 
 
 class Telemetry:
@@ -99,7 +98,7 @@ def setup(service_name: str, endpoint: str | None = None, detail: str | None = N
     environment's endpoints; without a scheme it means plaintext (``http://``).
     """
     global _current
-    detail = detail or _env(DETAIL_ENV) or "request"
+    detail = detail or DETAILS[0]
     if detail not in DETAILS:
         raise ValueError(f"trace detail must be one of {', '.join(DETAILS)}, not {detail!r}")
     tel = Telemetry(service_name, detail)
