@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import time
 import uuid
 from collections.abc import Callable
@@ -24,8 +23,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from specdec.completion import Chunk
-from specdec.rpc.server import error_message, status_for
-from specdec.sampling import SamplingParams, is_utf8
+from specdec.rpc.server import error_field, error_message, status_for
+from specdec.wire_types import FieldError, SamplingParams, is_utf8
 
 from gateway.generation import Finished, GenerationRequest
 
@@ -67,8 +66,6 @@ FIELD_NAMES = {
     "sampling.stop_token_ids": "stop_token_ids",
     "prompt_token_ids": "prompt",
 }
-# The field an error message starts with: ``messages[2].role``, ``sampling.top_p``, ``prompt``.
-LEADING_FIELD = re.compile(r"^[a-z_]+(?:\[\d+\])?(?:\.[a-z_]+)*")
 
 # A gRPC status of the request path -> (HTTP status, OpenAI error type, error code).
 HTTP_ERRORS = {
@@ -312,20 +309,18 @@ def parse_request(body, kind: str, model_name: str, request_id: str) -> ApiReque
 
 # -- errors --------------------------------------------------------------------------------------
 def error_for(exc: BaseException, names: dict[str, str]) -> ApiError:
-    """The request path's exception as an OpenAI error; a field it names is renamed to this
-    API's (``sampling.max_new_tokens`` -> ``max_tokens``)."""
+    """The request path's exception as an OpenAI error; the field it names (a ``FieldError``'s, or
+    the one a downstream status carries) is ``param``, renamed to this API's (``sampling.max_new_tokens``
+    -> ``max_tokens``)."""
     if isinstance(exc, ApiError):
         return exc
     code = status_for(exc)
     status, kind, error_code = HTTP_ERRORS.get(code, INTERNAL_ERROR)
     message = error_message(exc) if code != grpc.StatusCode.INTERNAL else "internal error in the gateway"
-    param = None
-    if status == 400:
-        match = LEADING_FIELD.match(message)
-        if match:
-            gateway_name = match.group(0)
-            param = names.get(gateway_name, gateway_name)
-            message = param + message[match.end():]
+    field = error_field(exc) if status == 400 else None
+    param = names.get(field, field)
+    if isinstance(exc, FieldError) and param is not None:
+        message = f"{param}: {exc.reason}"
     return ApiError(status, message, kind, param, error_code)
 
 

@@ -21,6 +21,7 @@ import torch
 
 from specdec.gguf.runtime import GgufKV, GgufModel
 from specdec.lean.kv import LeanKV
+from specdec.tokenizer import tokenizer_fingerprint
 
 # FR-Spec: a draft directory may restrict its LM head to these token ids (a JSON list). The draft then
 # never proposes other ids (q = 0 there), which exact acceptance handles; the head costs a fraction.
@@ -192,12 +193,3 @@ def logits_to(logits: torch.Tensor, on_device: bool) -> torch.Tensor:
     drafter pick tokens there and read back only those), or copied to the host."""
     return logits if on_device else logits.cpu()
 
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """sha256 over the tokenizer's sorted (token, id) pairs: equal fingerprints, equal token ids."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for token, index in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]):
-        digest.update(f"{index}\t{token}\n".encode("utf-8", "surrogatepass"))
-    return digest.hexdigest()
