@@ -2,7 +2,7 @@
 and the OpenAI-compatible HTTP API (``gateway/http.py``).
 
 Each front translates its wire format into a ``GenerationRequest`` at its edge; here the request is
-validated (``ValueError`` naming the field, in the gRPC API's names: ``sampling.temperature``),
+validated (``FieldError`` naming the field, in the gRPC API's names: ``sampling.temperature``),
 admitted, tokenized off the event loop, and generated over a verifier and a drafter session. The
 front turns the events (``Chunk`` ... ``Finished``) back into its wire format. Nothing here builds a
 protobuf.

@@ -22,6 +22,7 @@ import torch
 from specdec.gguf.runtime import GgufKV, GgufModel
 from specdec.lean.kv import LeanKV
 from specdec.tokenizer import tokenizer_fingerprint
+from specdec.wire_types import FieldError
 
 # FR-Spec: a draft directory may restrict its LM head to these token ids (a JSON list). The draft then
 # never proposes other ids (q = 0 there), which exact acceptance handles; the head costs a fraction.
@@ -99,14 +100,14 @@ class LoadedModel:
         return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
 
     def validate_prompt(self, prompt_ids: list[int], field: str = "prompt_token_ids") -> None:
-        """``ValueError`` naming ``field`` unless the ids fit this model's vocabulary and context."""
+        """``FieldError`` naming ``field`` unless the ids fit this model's vocabulary and context."""
         if not prompt_ids:
-            raise ValueError(f"{field} must not be empty")
+            raise FieldError(field, "must not be empty")
         bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"{field}: id {bad} is outside the vocabulary (size {self.vocab_size})")
+            raise FieldError(field, f"id {bad} is outside the vocabulary (size {self.vocab_size})")
         if len(prompt_ids) >= self.max_positions:
-            raise ValueError(f"{field}: {len(prompt_ids)} tokens exceed the model context ({self.max_positions})")
+            raise FieldError(field, f"{len(prompt_ids)} tokens exceed the model context ({self.max_positions})")
 
     def new_cache(self):
         """An empty KV cache: a ``LeanKV`` (``GgufKV``) on the lean (gguf) runtime, transformers'

@@ -160,7 +160,7 @@ Q_SUM_TOLERANCE = 1e-3
 
 
 def check_draft_probs(proposal: DraftProposal, support_bound: int | None = None) -> None:
-    """``ValueError`` naming the field unless every reported draft distribution is well formed.
+    """``FieldError`` naming the field unless every reported draft distribution is well formed.
 
     The rule: with ``draft_probs`` present there is exactly one distribution per draft token; each
     one's ids are unique (and below ``support_bound`` when given), its probabilities finite, >= 0 and

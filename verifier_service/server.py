@@ -184,7 +184,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
         return verify_batch(self.lm, jobs)
 
     def _validate_block(self, block, session: TargetSession, lm: LoadedModel, budget: int) -> DraftProposal:
-        """The block's proposal, checked before anything of it is applied (``ValueError`` naming the
+        """The block's proposal, checked before anything of it is applied (``FieldError`` naming the
         field; the session is untouched): the draft count within this verifier's limit, ids in the
         vocabulary, each q well formed (``verification.check_draft_probs``, which says why there is
         no floor under q), the context, and the session's max_new_tokens (capped by

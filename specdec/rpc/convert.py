@@ -33,7 +33,7 @@ FINISH_REASON_FROM_PB = {v: k for k, v in FINISH_REASON_TO_PB.items()}
 def sampling_from_pb(
     pb: types_pb2.SamplingParams, default_max_new_tokens: int = 128, draft_top_k: int = 0, validate: bool = True
 ) -> SamplingParams:
-    """Build and validate core sampling params; ``ValueError`` names the bad field. ``validate=False``
+    """Build and validate core sampling params; ``FieldError`` names the bad field. ``validate=False``
     leaves the checks to the caller (the gateway checks its limits first)."""
     params = SamplingParams(
         max_new_tokens=pb.max_new_tokens or default_max_new_tokens,

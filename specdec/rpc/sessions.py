@@ -20,7 +20,7 @@ MAX_SESSION_ID_CHARS = 128  # a session id is a request id or a minted token, ne
 
 
 def validate_session_id(session_id: str) -> None:
-    """``ValueError`` naming ``session_id`` when it is longer than ``MAX_SESSION_ID_CHARS``."""
+    """``FieldError`` naming ``session_id`` when it is longer than ``MAX_SESSION_ID_CHARS``."""
     if len(session_id) > MAX_SESSION_ID_CHARS:
         raise FieldError("session_id", f"{len(session_id)} characters exceed the limit of {MAX_SESSION_ID_CHARS}")
 
