@@ -17,7 +17,9 @@ from specdec.rpc.server import NotReady, idle_guard, ServiceRuntime, map_errors,
 from specdec.rpc.sessions import ModelWorkerService, validate_session_id
 from specdec.sampling import DraftProposal, SamplingParams, with_random_seed
 from specdec.service_config import DrafterConfig
+from specdec.target_features import decode_features
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, types_pb2
+from specdec.wire_types import FieldError
 
 log = logging.getLogger("specdec.drafter")
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -100,13 +102,13 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
                 kind = request.WhichOneof("kind")
                 if kind == "start":
                     if session is not None:
-                        raise ValueError("start: a stream carries exactly one session")
+                        raise FieldError("start", "a stream carries exactly one session")
                     start = request.start
                     validate_session_id(start.session_id)
                     prompt = [int(t) for t in start.prompt_token_ids]
                     self._validate_ids(prompt, "prompt_token_ids")
                     if len(prompt) >= self.max_context:
-                        raise ValueError(f"prompt_token_ids: {len(prompt)} tokens exceed the draft context "
+                        raise FieldError("prompt_token_ids", f"{len(prompt)} tokens exceed the draft context "
                                          f"({self.max_context})")
                     # Unseeded (a direct client; the gateway always seeds): a fresh seed, not resolved_seed()'s 0.
                     params = with_random_seed(convert.sampling_from_pb(start.sampling, draft_top_k=start.draft_top_k))
@@ -123,37 +125,33 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
                     yield drafter_pb2.DraftResponse(started=drafter_pb2.DraftStarted(session_id=start.session_id))
                 elif kind == "propose":
                     if session is None:
-                        raise ValueError("propose: send start first")
+                        raise FieldError("propose", "send start first")
                     propose = request.propose
                     k = propose.num_draft_tokens
                     if k > self.max_draft_tokens:
-                        raise ValueError(
-                            f"num_draft_tokens: {k} exceeds this drafter's limit ({self.max_draft_tokens})"
-                        )
+                        raise FieldError("num_draft_tokens", f"{k} exceeds this drafter's limit ({self.max_draft_tokens})")
                     ahead_n, used = propose.ahead_tokens, propose.ahead_used
                     if ahead_n > self.max_draft_tokens:
-                        raise ValueError(
-                            f"ahead_tokens: {ahead_n} exceeds this drafter's limit ({self.max_draft_tokens})"
-                        )
+                        raise FieldError("ahead_tokens", f"{ahead_n} exceeds this drafter's limit ({self.max_draft_tokens})")
                     if used and (k or not ahead_n):
-                        raise ValueError("ahead_used: only with num_draft_tokens = 0 and ahead_tokens > 0")
+                        raise FieldError("ahead_used", "only with num_draft_tokens = 0 and ahead_tokens > 0")
                     if used > len(ahead_block):
-                        raise ValueError(f"ahead_used: {used} exceeds the last ahead block ({len(ahead_block)} tokens)")
+                        raise FieldError("ahead_used", f"{used} exceeds the last ahead block ({len(ahead_block)} tokens)")
                     held = len(session.tokens) + len(propose.committed_token_ids)
                     if held > self.max_context:  # checked before any work: the session cannot hold them
-                        raise ValueError(f"committed_token_ids: the session would hold {held} tokens, past the "
+                        raise FieldError("committed_token_ids", f"the session would hold {held} tokens, past the "
                                          f"draft context ({self.max_context})")
                     committed = [int(t) for t in propose.committed_token_ids]
                     if committed:
                         self._validate_ids(committed, "committed_token_ids")
                     if propose.HasField("target_features"):
                         if not drafter.feature_size:
-                            raise ValueError(f"target_features: the {drafter.name} drafter does not read target features")
-                        features = convert.features_from_pb(propose.target_features, "target_features",
-                                                           drafter.feature_size)
-                        if features is not None:
+                            raise FieldError("target_features", f"the {drafter.name} drafter does not read target features")
+                        encoded = convert.encoded_features_from_pb(propose.target_features)
+                        if encoded is not None:
+                            features = decode_features(encoded, "target_features", drafter.feature_size)
                             if features.end > held - 1:
-                                raise ValueError(f"target_features: positions up to {features.end - 1} for {held} "
+                                raise FieldError("target_features", f"positions up to {features.end - 1} for {held} "
                                                  f"committed tokens (at most {held - 2})")
                             session.add_features(features)
                     k = min(k, self.max_context - held)  # drafts past the context: fewer (legal: "up to k")
@@ -191,7 +189,7 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
                                 **convert.proposal_fields(ahead)),
                         ))
                 else:
-                    raise ValueError("kind: set start or propose")
+                    raise FieldError("kind", "set start or propose")
         except BaseException as exc:
             if trace is not None:
                 trace.fail(exc)
@@ -207,9 +205,9 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
             self.lm.validate_prompt(ids, field)
             return
         if not ids:
-            raise ValueError(f"{field} must not be empty")
+            raise FieldError(field, "must not be empty")
         if self.tokenizer is not None and any(t >= len(self.tokenizer) for t in ids):
-            raise ValueError(f"{field}: ids must be below the vocabulary size {len(self.tokenizer)}")
+            raise FieldError(field, f"ids must be below the vocabulary size {len(self.tokenizer)}")
 
     def _model_info(self) -> types_pb2.ModelInfo:
         if self.lm is not None:

@@ -2,7 +2,7 @@
 and the OpenAI-compatible HTTP API (``gateway/http.py``).
 
 Each front translates its wire format into a ``GenerationRequest`` at its edge; here the request is
-validated (``ValueError`` naming the field, in the gRPC API's names: ``sampling.temperature``),
+validated (``FieldError`` naming the field, in the gRPC API's names: ``sampling.temperature``),
 admitted, tokenized off the event loop, and generated over a verifier and a drafter session. The
 front turns the events (``Chunk`` ... ``Finished``) back into its wire format. Nothing here builds a
 protobuf.
@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 
 from specdec import telemetry
 from specdec.completion import Chunk, CompletionBuilder
-from specdec.drafters import NgramDrafter
+from specdec.drafting import NgramDrafter
 from specdec.engine import GenerationResult, LocalDrafter, generate
-from specdec.models import tokenizer_fingerprint
 from specdec.policy import AcceptanceMemory, make_policy
 from specdec.prompts import encode_chat, encode_text
 from specdec.rpc.server import NotReady, Overloaded, ServiceRuntime
-from specdec.sampling import SamplingParams, is_utf8, with_random_seed
 from specdec.telemetry.logs import printable
+from specdec.tokenizer import tokenizer_fingerprint
+from specdec.wire_types import FieldError, SamplingParams, is_utf8, with_random_seed
 
 from gateway.links import RemoteDrafter
 from gateway.migration import MigratingVerifier
@@ -176,36 +176,36 @@ class GatewayCore:
         inputs = (("prompt", text), ("messages", request.messages), ("prompt_token_ids", request.prompt_token_ids))
         given = [name for name, value in inputs if len(value)]
         if len(given) != 1:
-            raise ValueError("input: set exactly one of prompt, messages, prompt_token_ids")
+            raise FieldError("input", "set exactly one of prompt, messages, prompt_token_ids")
         if given[0] == "prompt":
             if len(text) > limits.prompt_chars:
-                raise ValueError(f"prompt: {len(text)} characters exceed the limit of {limits.prompt_chars}")
+                raise FieldError("prompt", f"{len(text)} characters exceed the limit of {limits.prompt_chars}")
             if not is_utf8(text):
-                raise ValueError("prompt: not valid Unicode (a lone surrogate)")
+                raise FieldError("prompt", "not valid Unicode (a lone surrogate)")
             return "prompt", text
         if given[0] == "messages":
             if len(request.messages) > limits.max_prompt_tokens:  # each message costs tokens
-                raise ValueError(f"messages: {len(request.messages)} messages exceed the limit of {limits.max_prompt_tokens}")
+                raise FieldError("messages", f"{len(request.messages)} messages exceed the limit of {limits.max_prompt_tokens}")
             messages, chars = [], 0
             for i, (role, content) in enumerate(request.messages):
                 role = ROLE_ALIASES.get(role, role)
                 if role not in ROLES:
-                    raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES + tuple(ROLE_ALIASES))}")
+                    raise FieldError(f"messages[{i}].role", f"must be one of {', '.join(ROLES + tuple(ROLE_ALIASES))}")
                 chars += len(content)
                 messages.append((role, content))
             if chars > limits.prompt_chars:
-                raise ValueError(f"messages: {chars} characters of content exceed the limit of {limits.prompt_chars}")
+                raise FieldError("messages", f"{chars} characters of content exceed the limit of {limits.prompt_chars}")
             bad = next((i for i, (_, content) in enumerate(messages) if not is_utf8(content)), None)
             if bad is not None:
-                raise ValueError(f"messages[{bad}].content: not valid Unicode (a lone surrogate)")
+                raise FieldError(f"messages[{bad}].content", "not valid Unicode (a lone surrogate)")
             return "messages", messages
         if len(request.prompt_token_ids) > limits.max_prompt_tokens:
-            raise ValueError(f"prompt_token_ids: {len(request.prompt_token_ids)} prompt tokens exceed the limit "
+            raise FieldError("prompt_token_ids", f"{len(request.prompt_token_ids)} prompt tokens exceed the limit "
                              f"of {limits.max_prompt_tokens}")
         ids = [int(t) for t in request.prompt_token_ids]
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"prompt_token_ids: id {bad} is outside the vocabulary (size {self.vocab_size})")
+            raise FieldError("prompt_token_ids", f"id {bad} is outside the vocabulary (size {self.vocab_size})")
         return "prompt_token_ids", ids
 
     async def _prompt_ids(self, field: str, value) -> list[int]:
@@ -219,48 +219,48 @@ class GatewayCore:
                 raise
             except Exception as exc:
                 if type(exc).__module__.startswith("jinja2"):  # the template refused them (raise_exception)
-                    raise ValueError(f"messages: {exc}") from exc
+                    raise FieldError("messages", str(exc)) from exc
                 raise
         else:
             ids = value
         if not ids:
-            raise ValueError(f"{field}: encodes to no tokens")
+            raise FieldError(field, "encodes to no tokens")
         if len(ids) > self.limits.max_prompt_tokens:
-            raise ValueError(f"{field}: {len(ids)} prompt tokens exceed the limit of {self.limits.max_prompt_tokens}")
+            raise FieldError(field, f"{len(ids)} prompt tokens exceed the limit of {self.limits.max_prompt_tokens}")
         if len(ids) + 1 >= self.max_positions:
-            raise ValueError(f"{field}: no room left in the model context")
+            raise FieldError(field, "no room left in the model context")
         return ids
 
     def _validate(self, request: GenerationRequest):
         """Every check that costs next to nothing (sizes included); tokenizing comes after."""
         limits = self.limits
         if len(request.request_id) > limits.max_request_id_length:
-            raise ValueError(f"request_id: longer than {limits.max_request_id_length} characters")
+            raise FieldError("request_id", f"longer than {limits.max_request_id_length} characters")
         sampling = request.sampling
         if sampling.max_new_tokens > limits.max_new_tokens:
-            raise ValueError(f"sampling.max_new_tokens: {sampling.max_new_tokens} exceeds the limit of {limits.max_new_tokens}")
+            raise FieldError("sampling.max_new_tokens", f"{sampling.max_new_tokens} exceeds the limit of {limits.max_new_tokens}")
         if len(sampling.stop) > limits.max_stop_strings or any(len(s) > limits.max_stop_length for s in sampling.stop):
-            raise ValueError(f"sampling.stop: at most {limits.max_stop_strings} strings of <= {limits.max_stop_length} characters")
+            raise FieldError("sampling.stop", f"at most {limits.max_stop_strings} strings of <= {limits.max_stop_length} characters")
         if len(sampling.stop_token_ids) > limits.max_stop_token_ids:
-            raise ValueError(f"sampling.stop_token_ids: at most {limits.max_stop_token_ids} ids")
+            raise FieldError("sampling.stop_token_ids", f"at most {limits.max_stop_token_ids} ids")
         if any(t >= self.vocab_size for t in sampling.stop_token_ids):
-            raise ValueError("sampling.stop_token_ids: ids must be below the vocabulary size")
+            raise FieldError("sampling.stop_token_ids", "ids must be below the vocabulary size")
         params = dataclasses.replace(sampling, max_new_tokens=sampling.max_new_tokens or limits.default_max_new_tokens)
         params.validate()
         params = with_random_seed(params)
         method = request.method or "auto"
         if method not in METHODS:
-            raise ValueError(f"speculation.method: {method!r} is not one of {', '.join(METHODS)}")
+            raise FieldError("speculation.method", f"{method!r} is not one of {', '.join(METHODS)}")
         # Refused when no drafter of this stack drafts with it (a drafter that never answered yet may:
         # the request then goes on, and drafts if one comes up).
         if method in ("model", "eagle") and self.drafters.offers(method) is False:
-            raise ValueError(f"speculation.method: {method!r} needs a drafter service of that method and "
+            raise FieldError("speculation.method", f"{method!r} needs a drafter service of that method and "
                              "this gateway has none")
         k = request.num_draft_tokens
         if k < 0:
-            raise ValueError(f"speculation.num_draft_tokens: {k} is negative")
+            raise FieldError("speculation.num_draft_tokens", f"{k} is negative")
         if k > limits.max_draft_tokens:
-            raise ValueError(f"speculation.num_draft_tokens: {k} exceeds the limit of {limits.max_draft_tokens}")
+            raise FieldError("speculation.num_draft_tokens", f"{k} exceeds the limit of {limits.max_draft_tokens}")
         draft_ahead = self.link_options.draft_ahead if request.draft_ahead is None else request.draft_ahead
         field, value = self._input(request)
         return (field, value), params, method, k, draft_ahead

@@ -16,14 +16,13 @@ from collections.abc import Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from specdec.models import MAX_VOCAB_PADDING
 from specdec.rpc import convert
 from specdec.rpc.server import DEFAULT_MAX_MESSAGE_BYTES
-from specdec.sampling import DraftProposal, SamplingParams
-from specdec.target_features import EncodedFeatures, FeatureRelay, TargetFeatures
 from specdec.telemetry.logs import printable
 from specdec.v1 import drafter_pb2, verifier_pb2
-from specdec.verification import Verdict
+from specdec.wire_types import DraftProposal, EncodedFeatures, SamplingParams, Verdict
+
+from gateway.feature_relay import FeatureRelay
 
 log = logging.getLogger("specdec.gateway")
 
@@ -115,15 +114,12 @@ async def _close(call, reader: asyncio.Task | None = None) -> None:
 
 
 def _proposal(message, max_tokens: int, vocab_size: int | None) -> DraftProposal:
-    """A drafter's proposal message, checked as the verifier will check it (at most the drafts
-    asked for, ids in the vocabulary, each q well formed): one that fails is the drafter's failure
-    (the request goes on without drafts), never a verifier's refusal passed on to the client.
+    """A drafter's proposal message, its tokens checked as the verifier will check them (at most the
+    drafts asked for, ids in the vocabulary): one that fails is the drafter's failure (the request
+    goes on without drafts), never a verifier's refusal passed on to the client. Each q goes on as
+    received: the verifier, which reads it, checks it (``MigratingVerifier`` handles its refusal).
     ``vocab_size`` None: ids are not checked (a link driven without a tokenizer)."""
-    support_bound = None if vocab_size is None else vocab_size + MAX_VOCAB_PADDING
-    try:
-        proposal = convert.proposal_from_pb(message, support_bound=support_bound)
-    except (ValueError, TypeError) as exc:
-        raise StreamLost(f"drafter sent a malformed proposal ({describe(exc)})") from exc
+    proposal = convert.proposal_from_pb(message)
     if len(proposal) > max_tokens:
         raise StreamLost(f"drafter proposed {len(proposal)} tokens where {max_tokens} were asked for")
     bad = None if vocab_size is None else next((t for t in proposal.draft_tokens if not 0 <= t < vocab_size), None)
@@ -227,7 +223,7 @@ class RemoteDrafter:
         self._told: list[int] = []  # tokens the proposals carried to the drafter (its context past the prompt)
         self._ending: list[asyncio.Future] = []  # streams of suspended sessions, ending
 
-    def add_features(self, features: EncodedFeatures | TargetFeatures) -> None:
+    def add_features(self, features: EncodedFeatures) -> None:
         if self.broken is None:
             self._features.add(features)
 

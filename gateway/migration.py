@@ -10,10 +10,9 @@ from collections.abc import Callable
 
 import grpc
 
-from specdec.rpc.server import REQUEST_STATUSES
-from specdec.sampling import DraftProposal, SamplingParams
+from specdec.rpc.server import REQUEST_STATUSES, error_field
 from specdec.telemetry.logs import printable
-from specdec.verification import Verdict
+from specdec.wire_types import DraftProposal, SamplingParams, Verdict
 
 from gateway.links import STREAM_FAILURES, RemoteVerifier, StreamLost, describe, own_cancel
 
@@ -21,6 +20,14 @@ log = logging.getLogger("specdec.gateway")
 
 # A request moves to another verifier at most this many times per replica in the pool.
 MAX_MIGRATIONS_PER_REPLICA = 2
+# The block fields only a drafter writes: a verifier's INVALID_ARGUMENT naming one is the drafter's fault.
+DRAFTER_FIELDS = ("draft_probs",)
+
+
+def refused_drafter_field(exc: BaseException) -> str | None:
+    """The drafter-written field a verifier's refusal names (its status carries it), else None."""
+    field = error_field(exc)
+    return field if field is not None and field.split("[")[0].split(".")[0] in DRAFTER_FIELDS else None
 
 
 class VerifierUnavailable(StreamLost):
@@ -43,6 +50,12 @@ class MigratingVerifier:
     UNAVAILABLE after the tokens already streamed). Other statuses (DEADLINE_EXCEEDED,
     RESOURCE_EXHAUSTED, INVALID_ARGUMENT, ...) pass on, and so does any error that is not the
     stream's (a request's bad value).
+
+    The gateway relays each draft's q unread, so a drafter's malformed q reaches the verifier, which
+    refuses the block (INVALID_ARGUMENT naming ``draft_probs...``) and ends the session: that is the
+    drafter's fault, not the client's nor the replica's. The session reopens on the same replica (the
+    round counts as fully rejected, as after a move) and, for the rest of the request, blocks that
+    carry a q go out without their drafts (plain decoding there: exact).
     """
 
     def __init__(self, pool, backend, session_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -66,6 +79,7 @@ class MigratingVerifier:
         self._wait_until: float | None = None  # loop time the waiting budget ends (set at the first wait)
         self.link = self._open(backend, self.committed)
         self.backend = backend
+        self.q_refused: str | None = None  # the field a verifier refused in this request's drafter's q
 
     def _open(self, backend, prompt_ids: list[int]) -> RemoteVerifier:
         link = RemoteVerifier(backend.stub, self.session_id, list(prompt_ids), self.params,
@@ -106,12 +120,27 @@ class MigratingVerifier:
         self.backend = replacement
         self.migrations += 1
 
+    def _reopen_after_refused_q(self, exc: grpc.aio.AioRpcError, field: str) -> None:
+        """The same replica, a new session over the committed text (see the class docstring)."""
+        log.warning("verifier %s refused the drafter's q for request %s (%s: %s); re-prefilling %d tokens there, "
+                    "no more sampled drafts for this request", self.backend.address, self.request_id, field,
+                    exc.details(), len(self.committed))
+        self.q_refused = field
+        self.link.call.cancel()
+        self.link = self._open(self.backend, self.committed)
+        self.backend.in_flight -= 1  # _open counted the new link; the old one's count passes to it
+
     async def _guarded(self, operation) -> Verdict:
         failed: dict[str, int] = {}
         while True:
             try:
                 return await operation()
             except grpc.aio.AioRpcError as exc:
+                field = refused_drafter_field(exc) if self.q_refused is None else None
+                if field is not None:
+                    self._reopen_after_refused_q(exc, field)
+                    operation = self.link.prefill
+                    continue
                 if exc.code() in REQUEST_STATUSES:
                     raise
                 error: BaseException = exc
@@ -130,6 +159,8 @@ class MigratingVerifier:
         return verdict
 
     async def verify(self, proposal: DraftProposal) -> Verdict:
+        if self.q_refused is not None and proposal.draft_probs is not None:
+            proposal = DraftProposal()  # this drafter's q was refused once: verify without its drafts
         link = self.link
         verdict = await self._guarded(lambda: link.verify(proposal))
         if self.link is not link:  # migrated mid-round: the drafts in flight count as rejected

@@ -14,48 +14,23 @@ Extensions beside OpenAI's fields (clients that do not know them never send them
 from __future__ import annotations
 
 import json
-import math
-import re
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 
 from specdec.completion import Chunk
-from specdec.rpc.server import error_message, status_for
-from specdec.sampling import SamplingParams, is_utf8
+from specdec.rpc.server import error_field, error_message, status_for
+from specdec.wire_types import FieldError, SamplingParams
 
 from gateway.generation import Finished, GenerationRequest
+from gateway.openai_schema import validate_body
 
 CHAT = "chat"
 COMPLETION = "completion"
 # OpenAI's defaults where they differ from the gRPC API's (which is greedy unless told otherwise).
 DEFAULT_TEMPERATURE = 1.0
-SEED_RANGE = (-(2**63), 2**64)  # negative seeds wrap around to the unsigned 64-bit seed the services use
-SPECULATION_FIELDS = ("method", "num_draft_tokens", "draft_ahead")
-
-# Fields specdec does not implement, refused unless they hold the value that turns them off (so
-# that a client never silently gets something other than what it asked for).
-UNSUPPORTED: dict[str, tuple[Callable[[object], bool], str]] = {
-    "n": (lambda v: v is None or (type(v) is int and v == 1), "one choice per request (n = 1)"),
-    "best_of": (lambda v: v is None or (type(v) is int and v == 1), "best_of = 1 only"),
-    "echo": (lambda v: v is None or v is False, "echo is not supported"),
-    "suffix": (lambda v: v is None or v == "", "suffix is not supported"),
-    "logprobs": (lambda v: v is None or v is False, "logprobs are not supported"),
-    "top_logprobs": (lambda v: v is None or (type(v) is int and v == 0), "logprobs are not supported"),
-    "presence_penalty": (lambda v: v is None or v == 0, "penalties are not supported (they would change the "
-                                                         "target's distribution that speculation preserves)"),
-    "frequency_penalty": (lambda v: v is None or v == 0, "penalties are not supported"),
-    "logit_bias": (lambda v: v is None or v == {}, "logit_bias is not supported"),
-    "tools": (lambda v: v is None or v == [], "tool calling is not supported"),
-    "functions": (lambda v: v is None or v == [], "function calling is not supported"),
-    "tool_choice": (lambda v: v is None or v == "none", "tool calling is not supported"),
-    "function_call": (lambda v: v is None or v == "none", "function calling is not supported"),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, "only text responses are supported"),
-    "audio": (lambda v: v is None, "audio output is not supported"),
-}
 
 # The gateway's field names (gRPC API) -> the OpenAI request's, where they differ.
 FIELD_NAMES = {
@@ -67,8 +42,6 @@ FIELD_NAMES = {
     "sampling.stop_token_ids": "stop_token_ids",
     "prompt_token_ids": "prompt",
 }
-# The field an error message starts with: ``messages[2].role``, ``sampling.top_p``, ``prompt``.
-LEADING_FIELD = re.compile(r"^[a-z_]+(?:\[\d+\])?(?:\.[a-z_]+)*")
 
 # A gRPC status of the request path -> (HTTP status, OpenAI error type, error code).
 HTTP_ERRORS = {
@@ -113,14 +86,6 @@ def invalid(param: str, reason: str) -> ApiError:
     return ApiError(400, f"{param}: {reason}", param=param)
 
 
-def _shown(value) -> str:
-    """A client's value in an error message: short, and safe for any value (an array nested a
-    thousand deep is not serialized again)."""
-    if isinstance(value, (list, dict)):
-        return "an array" if isinstance(value, list) else "an object"
-    return json.dumps(value)[:40]
-
-
 @dataclass
 class ApiRequest:
     """A parsed request: what goes to the request path, and how to answer."""
@@ -139,193 +104,66 @@ def response_id(kind: str) -> str:
 
 
 # -- requests ------------------------------------------------------------------------------------
-def _integer(value, param: str) -> int | None:
-    if value is not None and type(value) is not int:  # bool is an int to Python, not to JSON
-        raise invalid(param, f"must be an integer, not {_shown(value)}")
-    return value
-
-
-def _number(value, param: str) -> float | None:
-    if value is None:
-        return None
-    if type(value) not in (int, float):
-        raise invalid(param, f"must be a finite number, not {_shown(value)}")
-    try:
-        number = float(value)
-    except OverflowError:  # an integer past any float
-        number = math.inf
-    if not math.isfinite(number):
-        raise invalid(param, "must be a finite number")
-    return number
-
-
-def _boolean(value, param: str) -> bool | None:
-    if value is not None and type(value) is not bool:
-        raise invalid(param, "must be true or false")
-    return value
-
-
-def _text(value: str, param: str) -> str:
-    """A string carried into the request: JSON's escapes can write a lone surrogate, which is not
-    Unicode text (no tokenizer, nor protobuf, takes it)."""
-    if not is_utf8(value):
-        raise invalid(param, "not valid Unicode (a lone surrogate)")
-    return value
-
-
-def _strings(value, param: str) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise invalid(param, "must be a string or an array of strings")
-    return tuple(_text(s, param) for s in value)
-
-
-def _token_ids(value, param: str) -> list[int]:
-    if not isinstance(value, list) or not all(type(t) is int for t in value):
-        raise invalid(param, "must be an array of integer token ids")
-    return value
-
-
-def _content(value, where: str) -> str:
-    """A message's content: a string, or text parts (joined by newlines, as vLLM does)."""
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return _text(value, f"{where}.content")
-    if not isinstance(value, list):
-        raise invalid(f"{where}.content", "must be a string or an array of content parts")
-    texts = []
-    for j, part in enumerate(value):
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise invalid(f"{where}.content[{j}]", 'only text parts ({"type": "text", "text": ...}) are supported')
-        texts.append(_text(part["text"], f"{where}.content[{j}].text"))
-    return "\n".join(texts)
-
-
-def _messages(body: dict) -> list[tuple[str, str]]:
-    value = body.get("messages")
-    if not isinstance(value, list) or not value:
-        raise invalid("messages", "required: a non-empty array of messages")
-    messages = []
-    for i, message in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise invalid(where, "must be an object with role and content")
-        role = message.get("role")
-        if not isinstance(role, str):
-            raise invalid(f"{where}.role", "required: a string")
-        _text(role, f"{where}.role")
-        if message.get("tool_calls") or message.get("function_call"):
-            raise invalid(f"{where}.tool_calls", "tool calling is not supported")
-        # The role itself is checked by the request path (one list of roles for both APIs).
-        messages.append((role, _content(message.get("content"), where)))  # developer: the request path maps it
-    return messages
-
-
-def _prompt(body: dict) -> dict:
-    """``prompt`` (text) or ``prompt_token_ids`` for the request path: one prompt per request."""
-    value = body.get("prompt")
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]  # a batch of one
-    if isinstance(value, str):
-        if not value:
-            raise invalid("prompt", "must not be empty")
-        return {"prompt": _text(value, "prompt")}
-    if isinstance(value, list) and value and all(type(t) is int for t in value):
-        return {"prompt_token_ids": value}
-    if isinstance(value, list) and len(value) > 1:
-        raise invalid("prompt", "one prompt per request (arrays of several prompts are not supported)")
-    raise invalid("prompt", "required: a string or an array of token ids")
-
-
-def _speculation(body: dict) -> dict:
-    value = body.get("speculation")
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise invalid("speculation", "must be an object {method, num_draft_tokens, draft_ahead}")
-    unknown = sorted(set(value) - set(SPECULATION_FIELDS))
-    if unknown:
-        raise invalid(f"speculation.{unknown[0]}", f"unknown field (known: {', '.join(SPECULATION_FIELDS)})")
-    method = value.get("method")
-    if method is not None and not isinstance(method, str):
-        raise invalid("speculation.method", "must be a string")
-    return {"method": _text(method or "", "speculation.method"),
-            "num_draft_tokens": _integer(value.get("num_draft_tokens"), "speculation.num_draft_tokens") or 0,
-            "draft_ahead": _boolean(value.get("draft_ahead"), "speculation.draft_ahead")}
-
-
 def parse_request(body, kind: str, model_name: str, request_id: str) -> ApiRequest:
-    """``body`` (decoded JSON) of a ``kind`` request; ``ApiError`` names the field it cannot take.
+    """``body`` (decoded JSON) of a ``kind`` request; ``ApiError`` names the field it cannot take
+    (``openai_schema`` validates the body).
 
     ``model``: the served model's id (``GET /v1/models``), or absent; any other is 404."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise invalid("model", f"must be a string, not {_shown(model)}")
-    if model is not None and model != model_name:
+    if isinstance(model, str) and model != model_name:
         raise ApiError(404, f"model {json.dumps(model)[:200]} is not served here; this gateway serves "
                             f"{json.dumps(model_name)} (GET /v1/models)", param="model", code="model_not_found")
-    for name, (accepted, reason) in UNSUPPORTED.items():
-        if name in body and not accepted(body[name]):
-            raise invalid(name, reason)
+    try:
+        parsed = validate_body(body, chat=kind == CHAT)
+    except FieldError as exc:
+        raise invalid(exc.field, exc.reason) from None
     names = dict(FIELD_NAMES)
-    inputs = {"messages": _messages(body)} if kind == CHAT else _prompt(body)
-    names["input"] = "messages" if kind == CHAT else "prompt"
-    max_tokens_name = "max_completion_tokens" if kind == CHAT and body.get("max_completion_tokens") is not None \
-        else "max_tokens"
-    names["sampling.max_new_tokens"] = max_tokens_name
-    max_tokens = _integer(body.get(max_tokens_name), max_tokens_name)
-    if max_tokens is not None and max_tokens < 1:
-        raise invalid(max_tokens_name, "must be >= 1")
-    temperature = _number(body.get("temperature"), "temperature")
-    top_p = _number(body.get("top_p"), "top_p")
-    top_k = _integer(body.get("top_k"), "top_k")
-    seed = _integer(body.get("seed"), "seed")
-    if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
-        raise invalid("seed", "must fit in 64 bits")
-    stop_token_ids = body.get("stop_token_ids")
+    if kind == CHAT:
+        inputs = {"messages": [(m.role, m.content) for m in parsed.messages]}  # developer: the request path maps it
+        names["input"] = "messages"
+    else:
+        inputs, names["input"] = parsed.prompt, "prompt"
+    use_completion_tokens = kind == CHAT and parsed.max_completion_tokens is not None
+    names["sampling.max_new_tokens"] = "max_completion_tokens" if use_completion_tokens else "max_tokens"
+    max_tokens = parsed.max_completion_tokens if use_completion_tokens else parsed.max_tokens
     sampling = SamplingParams(
         max_new_tokens=max_tokens or 0,  # 0: the gateway's default
-        temperature=DEFAULT_TEMPERATURE if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-        top_k=0 if top_k is None or top_k == -1 else top_k,  # -1: off, as in vLLM
-        seed=None if seed is None else seed % 2**64,
-        stop=_strings(body.get("stop"), "stop"),
-        stop_token_ids=tuple(_token_ids(stop_token_ids, "stop_token_ids")) if stop_token_ids is not None else (),
-        ignore_eos=bool(_boolean(body.get("ignore_eos"), "ignore_eos")),
+        temperature=DEFAULT_TEMPERATURE if parsed.temperature is None else parsed.temperature,
+        top_p=1.0 if parsed.top_p is None else parsed.top_p,
+        top_k=0 if parsed.top_k is None or parsed.top_k == -1 else parsed.top_k,  # -1: off, as in vLLM
+        seed=None if parsed.seed is None else parsed.seed % 2**64,
+        stop=parsed.stop,
+        stop_token_ids=parsed.stop_token_ids or (),
+        ignore_eos=bool(parsed.ignore_eos),
     )
-    stream = bool(_boolean(body.get("stream"), "stream"))
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise invalid("stream_options", "must be an object")
-    include_usage = bool(_boolean(options.get("include_usage"), "stream_options.include_usage")) \
-        if stream and options else False
-    generation = GenerationRequest(request_id=request_id, sampling=sampling, **inputs, **_speculation(body))
+    stream = bool(parsed.stream)
+    options = parsed.stream_options
+    include_usage = bool(options.include_usage) if stream and options is not None else False
+    speculation = parsed.speculation
+    speculation_fields = {} if speculation is None else {
+        "method": speculation.method or "", "num_draft_tokens": speculation.num_draft_tokens or 0,
+        "draft_ahead": speculation.draft_ahead}
+    generation = GenerationRequest(request_id=request_id, sampling=sampling, **inputs, **speculation_fields)
     return ApiRequest(kind, generation, stream=stream, include_usage=include_usage,
-                      return_token_ids=bool(_boolean(body.get("return_token_ids"), "return_token_ids")), names=names)
+                      return_token_ids=bool(parsed.return_token_ids), names=names)
 
 
 # -- errors --------------------------------------------------------------------------------------
 def error_for(exc: BaseException, names: dict[str, str]) -> ApiError:
-    """The request path's exception as an OpenAI error; a field it names is renamed to this
-    API's (``sampling.max_new_tokens`` -> ``max_tokens``)."""
+    """The request path's exception as an OpenAI error; the field it names (a ``FieldError``'s, or
+    the one a downstream status carries) is ``param``, renamed to this API's (``sampling.max_new_tokens``
+    -> ``max_tokens``)."""
     if isinstance(exc, ApiError):
         return exc
     code = status_for(exc)
     status, kind, error_code = HTTP_ERRORS.get(code, INTERNAL_ERROR)
     message = error_message(exc) if code != grpc.StatusCode.INTERNAL else "internal error in the gateway"
-    param = None
-    if status == 400:
-        match = LEADING_FIELD.match(message)
-        if match:
-            gateway_name = match.group(0)
-            param = names.get(gateway_name, gateway_name)
-            message = param + message[match.end():]
+    field = error_field(exc) if status == 400 else None
+    param = names.get(field, field)
+    if isinstance(exc, FieldError) and param is not None:
+        message = f"{param}: {exc.reason}"
     return ApiError(status, message, kind, param, error_code)
 
 

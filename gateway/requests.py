@@ -13,6 +13,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
 
 from specdec.v1 import gateway_pb2
+from specdec.wire_types import FieldError
 
 # How far ``bad_utf8_field`` looks (a request of many tiny fields must not cost seconds to explain).
 MAX_FIELDS_SCANNED = 10_000
@@ -25,12 +26,12 @@ class UndecodableRequest:
         self.data = data
         self.error = error
 
-    def explain(self) -> str:
-        """The INVALID_ARGUMENT message; walks the wire format (run it off the event loop)."""
+    def explain(self) -> FieldError:
+        """The INVALID_ARGUMENT error; walks the wire format (run it off the event loop)."""
         field = bad_utf8_field(self.data, gateway_pb2.GenerateRequest.DESCRIPTOR)
         if field is not None:
-            return f"{field}: not valid UTF-8 (string fields must be UTF-8)"
-        return f"request: does not parse as a GenerateRequest ({self.error})"
+            return FieldError(field, "not valid UTF-8 (string fields must be UTF-8)")
+        return FieldError("request", f"does not parse as a GenerateRequest ({self.error})")
 
 
 def parse_generate_request(data: bytes):

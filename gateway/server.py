@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from specdec.models import load_tokenizer
 from specdec.rpc import convert
 from specdec.rpc.server import ServiceRuntime, map_errors
 from specdec.service_config import GatewayConfig
+from specdec.tokenizer import load_serving_tokenizer
 from specdec.v1 import drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier_pb2_grpc
+from specdec.wire_types import FieldError
 
 from gateway.generation import Finished, GatewayCore, GatewayLimits, GenerationRequest, LinkOptions, new_request_id
 from gateway.http import HttpFront
@@ -41,10 +42,10 @@ class _ChatMessages:
 
 
 def request_from_pb(request: gateway_pb2.GenerateRequest) -> GenerationRequest:
-    """The gRPC edge of the request path; ``ValueError`` names a field that cannot be translated."""
+    """The gRPC edge of the request path; ``FieldError`` names a field that cannot be translated."""
     speculation = request.speculation
     if speculation.draft_ahead not in DRAFT_AHEAD_FROM_PB:
-        raise ValueError(f"speculation.draft_ahead: unknown value {speculation.draft_ahead}")
+        raise FieldError("speculation.draft_ahead", f"unknown value {speculation.draft_ahead}")
     return GenerationRequest(
         request_id=request.request_id,
         prompt=request.prompt,
@@ -68,7 +69,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         core = self.core
         if isinstance(request, UndecodableRequest):  # bytes that do not parse (see gateway/requests.py)
             core.rejected_invalid()
-            raise ValueError(await core.off_loop(request.explain))
+            raise await core.off_loop(request.explain)
         try:
             generation_request = request_from_pb(request)
         except ValueError:
@@ -104,7 +105,7 @@ async def serve(config: GatewayConfig) -> None:
     options = config.serve
     runtime = ServiceRuntime(SERVICE_NAME, options)
     loop = asyncio.get_running_loop()
-    tokenizer = await loop.run_in_executor(None, load_tokenizer, config.target)
+    tokenizer = await loop.run_in_executor(None, load_serving_tokenizer, config.target)
     verifiers = BackendPool("verifier", verifier_pb2_grpc.VerifierStub, options.max_message_bytes, options.tls,
                             options.outbound_service_token)
     drafters = BackendPool("drafter", drafter_pb2_grpc.DrafterStub, options.max_message_bytes, options.tls,

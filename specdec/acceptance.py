@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from specdec.sampling import DRAW_ACCEPT, DRAW_TOKEN, SparseDistribution, inverse_cdf
+from specdec.sampling import DRAW_ACCEPT, DRAW_TOKEN, SparseDistribution, inverse_cdf, sparse_to_dense
 
 
 class Draws(Protocol):
@@ -116,7 +116,7 @@ def accept_speculative(
         q_token = draft_probs[i].prob_of(token)
         if q_token > 0.0 and r * q_token < p_at_drafts[i]:  # r < p/q without dividing
             continue
-        residual = residual_distribution(p[i], draft_probs[i].to_dense(vocab_size, device=p.device))
+        residual = residual_distribution(p[i], sparse_to_dense(draft_probs[i], vocab_size, device=p.device))
         recovered = inverse_cdf(residual, draws[i].uniform(DRAW_TOKEN))
         return AcceptanceResult(i, k, [int(t) for t in draft_tokens[:i]] + [recovered])
     bonus = inverse_cdf(p[k], draws[k].uniform(DRAW_TOKEN))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdec.sampling import SamplingParams
+from specdec.wire_types import SamplingParams
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"

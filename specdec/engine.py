@@ -12,14 +12,15 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from specdec.completion import Chunk, CompletionBuilder
-from specdec.drafters import DraftSession
 from specdec.policy import DraftLengthPolicy, RoundObservation
-from specdec.sampling import DraftProposal
-from specdec.target_features import TargetFeatures
-from specdec.verification import TargetSession, Verdict
+from specdec.wire_types import DraftProposal, Verdict, VerdictFeatures
+
+if TYPE_CHECKING:  # the in-process links' sessions; the loop itself runs without torch (the gateway's)
+    from specdec.drafters import DraftSession
+    from specdec.verification import TargetSession
 
 
 class VerifierLink(Protocol):
@@ -44,7 +45,7 @@ class DrafterLink(Protocol):
         """``committed``: tokens committed since the previous call (first call: none)."""
         ...
 
-    def add_features(self, features: TargetFeatures) -> None:
+    def add_features(self, features: VerdictFeatures) -> None:
         """(``reads_features`` links) The target's features from a verdict, for the next proposal."""
         ...
 
@@ -295,7 +296,7 @@ async def generate(
     # drafting ahead (its block is owed on the stream).
     suspend = getattr(drafter, "suspend", None) if drafter is not None and not (relay_features or draft_ahead) else None
     hand_at_once = relay_features and getattr(drafter, "holds_features", False)
-    unsent_features: list[TargetFeatures] = []  # verdicts' features, with ``pending``: not yet told to the drafter
+    unsent_features: list[VerdictFeatures] = []  # verdicts' features, with ``pending``: not yet told to the drafter
 
     def take_features(verdict: Verdict) -> None:
         if verdict.features is not None:
@@ -437,7 +438,7 @@ class LocalDrafter:
         self.session = session
         self.reads_features = session.reads_features
 
-    def add_features(self, features: TargetFeatures) -> None:
+    def add_features(self, features: VerdictFeatures) -> None:
         self.session.add_features(features)
 
     async def propose(self, committed: list[int], num_draft_tokens: int) -> DraftProposal:

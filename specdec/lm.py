@@ -21,6 +21,8 @@ import torch
 
 from specdec.gguf.runtime import GgufKV, GgufModel
 from specdec.lean.kv import LeanKV
+from specdec.tokenizer import tokenizer_fingerprint
+from specdec.wire_types import FieldError
 
 # FR-Spec: a draft directory may restrict its LM head to these token ids (a JSON list). The draft then
 # never proposes other ids (q = 0 there), which exact acceptance handles; the head costs a fraction.
@@ -98,14 +100,14 @@ class LoadedModel:
         return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
 
     def validate_prompt(self, prompt_ids: list[int], field: str = "prompt_token_ids") -> None:
-        """``ValueError`` naming ``field`` unless the ids fit this model's vocabulary and context."""
+        """``FieldError`` naming ``field`` unless the ids fit this model's vocabulary and context."""
         if not prompt_ids:
-            raise ValueError(f"{field} must not be empty")
+            raise FieldError(field, "must not be empty")
         bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"{field}: id {bad} is outside the vocabulary (size {self.vocab_size})")
+            raise FieldError(field, f"id {bad} is outside the vocabulary (size {self.vocab_size})")
         if len(prompt_ids) >= self.max_positions:
-            raise ValueError(f"{field}: {len(prompt_ids)} tokens exceed the model context ({self.max_positions})")
+            raise FieldError(field, f"{len(prompt_ids)} tokens exceed the model context ({self.max_positions})")
 
     def new_cache(self):
         """An empty KV cache: a ``LeanKV`` (``GgufKV``) on the lean (gguf) runtime, transformers'
@@ -192,12 +194,3 @@ def logits_to(logits: torch.Tensor, on_device: bool) -> torch.Tensor:
     drafter pick tokens there and read back only those), or copied to the host."""
     return logits if on_device else logits.cpu()
 
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """sha256 over the tokenizer's sorted (token, id) pairs: equal fingerprints, equal token ids."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for token, index in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]):
-        digest.update(f"{index}\t{token}\n".encode("utf-8", "surrogatepass"))
-    return digest.hexdigest()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from specdec.wire_types import FieldError
+
 
 def encode_text(tokenizer, text: str) -> list[int]:
     """Plain text, no template (special tokens as the tokenizer adds them by default)."""
@@ -13,7 +15,7 @@ def encode_text(tokenizer, text: str) -> list[int]:
 def encode_chat(tokenizer, messages: Sequence[tuple[str, str]]) -> list[int]:
     """Render ``(role, content)`` messages with the tokenizer's chat template."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("messages: the target's tokenizer has no chat template")
+        raise FieldError("messages", "the target's tokenizer has no chat template")
     rendered = tokenizer.apply_chat_template(
         [{"role": role, "content": content} for role, content in messages],
         tokenize=False,

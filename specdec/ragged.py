@@ -25,6 +25,7 @@ import torch
 
 from specdec.kv import KVSession
 from specdec.lm import LoadedModel, logits_to
+from specdec.wire_types import BatchInfo  # noqa: F401 - the scheduler's callers load it from here too
 
 log = logging.getLogger(__name__)
 
@@ -231,17 +232,3 @@ def enable_ragged_attention(model) -> bool:
         return False
     return model.config._attn_implementation == RAGGED_ATTENTION
 
-
-@dataclass(frozen=True)
-class BatchInfo:
-    """How a job was served: the pass it rode in and its wait for it."""
-
-    size: int  # jobs in the pass
-    tokens: int  # tokens the pass fed (the jobs' sizes, padding excluded)
-    queue_wait_s: float  # from submit to the pass starting
-    pass_s: float = 0.0  # the pass itself: the forward over every job's tokens, then each job's acceptance
-
-    def trace_attributes(self) -> dict:
-        """The step attributes services add to their traces."""
-        return {"batch_size": self.size, "batch_tokens": self.tokens, "queue_wait_ms": round(self.queue_wait_s * 1e3, 3),
-                "pass_ms": round(self.pass_s * 1e3, 3)}

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.acceptance import AcceptanceResult, accept_greedy, accept_speculative
+from specdec.acceptance import accept_greedy, accept_speculative
 from specdec.kv import KVSession
 from specdec.lm import LoadedModel
-from specdec.ragged import BatchInfo, ForwardRow, batched_forward
+from specdec.ragged import ForwardRow, batched_forward
 from specdec.randomness import position_keys
 from specdec.sampling import (
     STREAM_VERIFY,
@@ -19,32 +19,8 @@ from specdec.sampling import (
     greedy_tokens,
     process_logits,
 )
-from specdec.target_features import WIRE_DTYPE, EncodedFeatures, TargetFeatures
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What one verification pass decided.
-
-    ``tokens`` are the newly committed tokens: the accepted drafts then the recovered or bonus
-    token (after prefill: just the first generated token). A drafter rolls back to
-    ``committed_length - len(tokens) + num_accepted`` and appends ``tokens[-1]``.
-    """
-
-    num_drafts: int
-    num_accepted: int
-    tokens: list[int]
-    committed_length: int  # prompt + generated, after this verdict
-    batch: BatchInfo | None = None  # the batched pass that computed it (verifier service), if known
-    # A session that wants features: the target's at positions committed_length - len(tokens) - 1 ..
-    # committed_length - 2 (prefill: the whole prompt, 0 .. committed_length - 2; see ``TargetSession``).
-    # Encoded (as received, not decoded) where a relay got the verdict over the wire.
-    features: TargetFeatures | EncodedFeatures | None = None
-
-    @staticmethod
-    def from_acceptance(result: AcceptanceResult, committed_length: int,
-                        features: TargetFeatures | EncodedFeatures | None = None) -> "Verdict":
-        return Verdict(result.num_drafts, result.num_accepted, result.tokens, committed_length, features=features)
+from specdec.target_features import WIRE_DTYPE, TargetFeatures
+from specdec.wire_types import FieldError, Verdict
 
 
 class TargetSession:
@@ -64,9 +40,9 @@ class TargetSession:
     def __init__(self, target: LoadedModel, prompt_ids: list[int], params: SamplingParams,
                  want_features: bool = False, feature_window: int | None = None) -> None:
         if not prompt_ids:
-            raise ValueError("prompt_token_ids must not be empty")
+            raise FieldError("prompt_token_ids", "must not be empty")
         if want_features and not target.feature_size:
-            raise ValueError("want_features: this target has no features to stream")
+            raise FieldError("want_features", "this target has no features to stream")
         self.target = target
         self.params = params
         self.prompt_length = len(prompt_ids)
@@ -172,7 +148,8 @@ class TargetSession:
             q = [proposal.q(i) for i in range(k)]
             result = accept_speculative(p, drafts, q, draws)
         self.tokens.extend(result.tokens)
-        return Verdict.from_acceptance(result, len(self.tokens), self._verdict_features())
+        return Verdict(result.num_drafts, result.num_accepted, result.tokens, len(self.tokens),
+                       features=self._verdict_features())
 
     def close(self) -> None:
         self.kv.close()
@@ -183,7 +160,7 @@ Q_SUM_TOLERANCE = 1e-3
 
 
 def check_draft_probs(proposal: DraftProposal, support_bound: int | None = None) -> None:
-    """``ValueError`` naming the field unless every reported draft distribution is well formed.
+    """``FieldError`` naming the field unless every reported draft distribution is well formed.
 
     The rule: with ``draft_probs`` present there is exactly one distribution per draft token; each
     one's ids are unique (and below ``support_bound`` when given), its probabilities finite, >= 0 and
@@ -206,31 +183,31 @@ def check_draft_probs(proposal: DraftProposal, support_bound: int | None = None)
         return
     k = len(proposal.draft_tokens)
     if len(probs) != k:
-        raise ValueError(f"draft_probs: {len(probs)} distributions for {k} draft tokens "
+        raise FieldError("draft_probs", f"{len(probs)} distributions for {k} draft tokens "
                          "(need one per draft token, or none)")
     # Plain Python over each support (a few dozen entries): no tensor operations on the caller's thread.
     for i, (token, q) in enumerate(zip(proposal.draft_tokens, probs)):
         ids, values = q.token_ids.tolist(), q.probs.tolist()
         if len(ids) != len(values) or not ids:
-            raise ValueError(f"draft_probs[{i}]: need as many probs as token_ids (>= 1), "
+            raise FieldError(f"draft_probs[{i}]", f"need as many probs as token_ids (>= 1), "
                              f"got {len(values)} and {len(ids)}")
         if min(ids) < 0:
-            raise ValueError(f"draft_probs[{i}].token_ids: negative id {min(ids)}")
+            raise FieldError(f"draft_probs[{i}].token_ids", f"negative id {min(ids)}")
         if support_bound is not None and max(ids) >= support_bound:
-            raise ValueError(f"draft_probs[{i}].token_ids: id {max(ids)} is outside the vocabulary "
+            raise FieldError(f"draft_probs[{i}].token_ids", f"id {max(ids)} is outside the vocabulary "
                              f"(ids below {support_bound})")
         if len(set(ids)) != len(ids):
-            raise ValueError(f"draft_probs[{i}].token_ids: repeated id")
+            raise FieldError(f"draft_probs[{i}].token_ids", "repeated id")
         if not all(map(math.isfinite, values)):
-            raise ValueError(f"draft_probs[{i}].probs: not finite")
+            raise FieldError(f"draft_probs[{i}].probs", "not finite")
         if min(values) < 0:
-            raise ValueError(f"draft_probs[{i}].probs: negative probability {min(values):g}")
+            raise FieldError(f"draft_probs[{i}].probs", f"negative probability {min(values):g}")
         total = math.fsum(values)  # float64 and exact: fp32 values cannot overflow it
         if abs(total - 1.0) > Q_SUM_TOLERANCE:
-            raise ValueError(f"draft_probs[{i}].probs: sum {total:.6g}, not 1 within {Q_SUM_TOLERANCE:g}")
+            raise FieldError(f"draft_probs[{i}].probs", f"sum {total:.6g}, not 1 within {Q_SUM_TOLERANCE:g}")
         at = ids.index(int(token)) if int(token) in ids else None
         if at is None or values[at] <= 0:
-            raise ValueError(f"draft_probs[{i}]: draft token {int(token)} is not in its support with q > 0 "
+            raise FieldError(f"draft_probs[{i}]", f"draft token {int(token)} is not in its support with q > 0 "
                              f"(draft_token_ids[{i}] must have been sampled from draft_probs[{i}])")
 
 

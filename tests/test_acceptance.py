@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -20,6 +22,8 @@ from specdec.sampling import (
     greedy_tokens,
     mask_beyond_vocab,
     process_logits,
+    sample_sparse,
+    sparse_to_dense,
     truncate_top_k,
 )
 
@@ -309,7 +313,7 @@ def test_sparse_q_with_padded_support_never_emits_padding():
 def test_sparse_distribution_helpers():
     sparse = SparseDistribution(torch.tensor([2, 7, V + 1]), torch.tensor([0.5, 0.25, 0.25]))
     assert sparse.prob_of(7) == 0.25 and sparse.prob_of(3) == 0.0
-    dense = sparse.to_dense(V)
+    dense = sparse_to_dense(sparse, V)
     assert dense.shape == (V,) and dense.dtype == torch.float32
     assert dense[2] == 0.5 and dense[7] == 0.25 and float(dense.sum()) == 0.75  # padded id dropped
     assert SparseDistribution.one_hot(4).prob_of(4) == 1.0
@@ -442,14 +446,14 @@ def test_truncate_top_k():
     probs = torch.tensor([0.1, 0.4, 0.0, 0.3, 0.2])
     sparse = truncate_top_k(probs, 2)
     assert sparse.token_ids.tolist() == [1, 3]
-    assert torch.allclose(sparse.probs, torch.tensor([4 / 7, 3 / 7]))
-    assert sparse.probs.dtype == torch.float32
+    assert torch.allclose(torch.from_numpy(sparse.probs), torch.tensor([4 / 7, 3 / 7]))
+    assert sparse.probs.dtype == np.float32 and sparse.token_ids.dtype == np.int64  # as on the wire
     # k beyond the support drops zero-probability ids
     sparse = truncate_top_k(probs, 10)
     assert sorted(sparse.token_ids.tolist()) == [0, 1, 3, 4]
     assert math.isclose(float(sparse.probs.sum()), 1.0, rel_tol=1e-6)
     # samples come from the support only
-    draws = {truncate_top_k(probs, 2).sample(uniform(0, i, STREAM_DRAFT, DRAW_TOKEN)) for i in range(200)}
+    draws = {sample_sparse(truncate_top_k(probs, 2), uniform(0, i, STREAM_DRAFT, DRAW_TOKEN)) for i in range(200)}
     assert draws == {1, 3}
 
 

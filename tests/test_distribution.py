@@ -16,7 +16,8 @@ from specdec.drafters import ModelDrafter
 from specdec.engine import collect
 from specdec.local import LocalEngine
 from specdec.randomness import position_keys
-from specdec.sampling import STREAM_VERIFY, SamplingParams, SparseDistribution, process_logits, truncate_top_k
+from specdec.sampling import (STREAM_VERIFY, SamplingParams, SparseDistribution, process_logits, sparse_to_dense,
+                              truncate_top_k)
 
 ALPHA = 1e-4  # significance of every chi-square test below
 
@@ -65,8 +66,8 @@ def first_token_counts(p: torch.Tensor, q: SparseDistribution, n: int, seed: int
     """Draw x ~ q, verify a one-draft block with target row p; count the first emitted token."""
     vocab = p.shape[0]
     g = torch.Generator().manual_seed(seed)
-    draws = torch.multinomial(q.probs, n, replacement=True, generator=g)
-    drafts = q.token_ids[draws].tolist()
+    draws = torch.multinomial(torch.from_numpy(q.probs), n, replacement=True, generator=g)
+    drafts = q.token_ids[draws.numpy()].tolist()
     rows = torch.stack([p, torch.full((vocab,), 1.0 / vocab)])
     counts = torch.zeros(vocab, dtype=torch.long)
     accepted = 0
@@ -148,7 +149,7 @@ def test_first_emitted_token_follows_p(name):
     pvalue = chi2_pvalue(counts, p)
     assert pvalue > ALPHA, (name, pvalue, (counts / n).tolist(), p.tolist())
     # The acceptance rate is alpha = sum_x min(p(x), q(x)).
-    alpha = min(1.0, float(torch.minimum(p, q.to_dense(V)).sum()))
+    alpha = min(1.0, float(torch.minimum(p, sparse_to_dense(q, V)).sum()))
     sigma = (alpha * (1 - alpha) / n) ** 0.5
     assert abs(acceptance_rate - alpha) <= 5 * sigma + 1e-9, (acceptance_rate, alpha)
     if name == "draft_equals_target":
@@ -211,7 +212,8 @@ def test_second_emitted_position_follows_conditional_p():
     q2 = [truncate_top_k(dirichlet(g, vocab, 1.5), 3) for _ in range(vocab)]
 
     def draw(dist: SparseDistribution, count: int) -> list[int]:
-        return dist.token_ids[torch.multinomial(dist.probs, count, replacement=True, generator=g)].tolist()
+        return dist.token_ids[torch.multinomial(torch.from_numpy(dist.probs), count, replacement=True,
+                                                generator=g).numpy()].tolist()
 
     first_drafts = draw(q1, n)
     second_drafts = {a: iter(draw(q2[a], 2 * n)) for a in range(vocab)}

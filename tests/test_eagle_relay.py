@@ -31,7 +31,7 @@ from specdec.policy.base import DraftLengthPolicy
 from specdec.rpc import convert
 from specdec.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from specdec.sampling import SamplingParams
-from specdec.target_features import TargetFeatures
+from specdec.target_features import TargetFeatures, decode_features
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specdec.verification import TargetSession
 from tests.harness import Service, start_service
@@ -204,7 +204,7 @@ def test_bf16_features_past_float16_range_cross_the_wire_unchanged(tiny_pair, tm
     assert verdict.features.values.float().abs().max() > 65504
     response = verifier_pb2.VerifyResponse(**convert.verdict_fields(verdict))
     relayed = convert.verdict_from_pb(verifier_pb2.VerifyResponse.FromString(response.SerializeToString())).features
-    arrived = convert.features_from_pb(convert.features_to_pb(relayed), "target_features", hidden_size=64)
+    arrived = decode_features(convert.encoded_features_from_pb(convert.features_to_pb(relayed)), "target_features", 64)
     assert torch.isfinite(arrived.values).all()
     assert torch.equal(arrived.values, verdict.features.values.to(torch.bfloat16))
 
@@ -368,30 +368,30 @@ def test_the_eagle_drafter_reads_only_the_embedding_and_lm_head_of_its_target(ti
 
 
 def test_the_relay_keeps_the_newest_features_within_its_bound_and_a_resend_replaces_what_it_covers():
-    from specdec.target_features import FeatureRelay
+    from gateway.feature_relay import FeatureRelay
 
     width = 4
     values = torch.randn(40, width).to(torch.bfloat16)
     row = width * 2
     relay = FeatureRelay(max_bytes=10 * row)
     for position in range(30):  # one row a verdict, as rounds without drafts bring them
-        relay.add(TargetFeatures(position, values[position: position + 1]))
+        relay.add(TargetFeatures(position, values[position: position + 1]).encode())
         assert relay.nbytes <= 10 * row
     taken = relay.take()
     assert (taken.start, len(taken), relay.take()) == (20, 10, None)
-    assert torch.equal(taken.decode("f", width).values, values[20:30])
+    assert torch.equal(decode_features(taken, "f", width).values, values[20:30])
     relay = FeatureRelay(max_bytes=20 * row)
-    relay.add(TargetFeatures(0, values[:8]))
-    relay.add(TargetFeatures(8, values[8:9]))
-    relay.add(TargetFeatures(5, values[5:12] + 1))  # a migrated verifier's prefill resends from 5
-    resent = relay.take().decode("f", width)
+    relay.add(TargetFeatures(0, values[:8]).encode())
+    relay.add(TargetFeatures(8, values[8:9]).encode())
+    relay.add(TargetFeatures(5, values[5:12] + 1).encode())  # a migrated verifier's prefill resends from 5
+    resent = decode_features(relay.take(), "f", width)
     assert resent.start == 0 and torch.equal(resent.values, torch.cat([values[:5], values[5:12] + 1]))
-    relay.add(TargetFeatures(0, values[:3]))
-    relay.add(TargetFeatures(7, values[7:9]))  # a gap: the older rows can never join these
-    assert relay.take().decode("f", width).start == 7
+    relay.add(TargetFeatures(0, values[:3]).encode())
+    relay.add(TargetFeatures(7, values[7:9]).encode())  # a gap: the older rows can never join these
+    assert decode_features(relay.take(), "f", width).start == 7
     # The proposal that carries them fits its message, however many committed ids ride along.
     relay = FeatureRelay(max_bytes=4096)
-    relay.add(TargetFeatures(0, torch.randn(600, width)))
+    relay.add(TargetFeatures(0, torch.randn(600, width)).encode())
     propose = drafter_pb2.DraftPropose(round=1, committed_token_ids=[50_000] * 1000, num_draft_tokens=3)
     convert.attach_features(propose, relay.take(), max_message_bytes=5000)
     request = drafter_pb2.DraftRequest(propose=propose)

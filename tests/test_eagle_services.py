@@ -25,7 +25,7 @@ from specdec.models import load_model
 from specdec.prompts import encode_chat, encode_text
 from specdec.rpc import convert
 from specdec.sampling import DraftProposal, SamplingParams
-from specdec.target_features import TargetFeatures
+from specdec.target_features import TargetFeatures, decode_features
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specdec.verification import PendingForward, PrefillChunk, TargetSession, verify_batch
 from tests.harness import start_stack
@@ -152,16 +152,16 @@ def test_features_round_trip_the_wire_and_bad_ones_name_their_field():
     values = torch.randn(3, 8).to(torch.bfloat16)
     pb = convert.features_to_pb(TargetFeatures(5, values))
     assert len(pb.bf16_data) == 3 * 8 * 2
-    back = convert.features_from_pb(pb, "features", hidden_size=8)
+    back = decode_features(convert.encoded_features_from_pb(pb), "features", 8)
     assert back.start == 5 and torch.equal(back.values, values)
     with pytest.raises(ValueError, match="features.hidden_size"):
-        convert.features_from_pb(pb, "features", hidden_size=16)
+        decode_features(convert.encoded_features_from_pb(pb), "features", 16)
     pb.bf16_data = pb.bf16_data[:-2]
     with pytest.raises(ValueError, match="features.bf16_data"):
-        convert.features_from_pb(pb, "features")
+        decode_features(convert.encoded_features_from_pb(pb), "features")
     pb.bf16_data = torch.full((3, 8), float("nan"), dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
     with pytest.raises(ValueError, match="features.bf16_data: not finite"):
-        convert.features_from_pb(pb, "features")
+        decode_features(convert.encoded_features_from_pb(pb), "features")
     with pytest.raises(ValueError, match="target_features"):  # a token-level drafter refuses features
         NgramDrafter().start([1, 2, 3], SamplingParams()).add_features(TargetFeatures(0, values))
 

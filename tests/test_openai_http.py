@@ -13,11 +13,14 @@ import time
 import urllib.error
 import urllib.request
 
+import grpc
 import openai
 import pytest
 
 from gateway import openai_api
 from specdec.client import GatewayClient
+from specdec.rpc.server import status_details
+from specdec.wire_types import FieldError
 from tests.harness import free_port, scrape_metric, start_service, start_stack
 from tests.test_security import make_pki
 from tests.test_tracing import GATEWAY, Receiver
@@ -341,7 +344,7 @@ def test_http_requests_are_traced_and_counted_like_grpc_ones(stack, client, rece
     assert ok.attrs["specdec.rounds"] == response.speculation_stats["rounds"]
     refused, _ = receiver.wait_for_trace(refused_id, {GATEWAY})
     assert refused.attrs["http.route"] == "/v1/completions" and refused.attrs["http.response.status_code"] == 400
-    assert refused.attrs["error.type"] == "ValueError"
+    assert refused.attrs["error.type"] == "FieldError"  # a request's bad field (specdec.wire_types)
     grpc_span, _ = receiver.wait_for_trace("grpc-beside-http", {GATEWAY})
     assert grpc_span.attrs["rpc.system"] == "grpc" and grpc_span.attrs["rpc.method"] == "Generate"
     assert "http.route" not in grpc_span.attrs
@@ -424,11 +427,23 @@ def test_gateway_field_names_become_the_request_s():
                                    "m", "id")
     assert api.generation.sampling.seed == 2**64 - 1  # negative seeds wrap to the services' unsigned seed
     assert api.generation.sampling.temperature == openai_api.DEFAULT_TEMPERATURE  # OpenAI's default
-    error = openai_api.error_for(ValueError("sampling.max_new_tokens: 9 exceeds the limit of 8"), api.names)
+    error = openai_api.error_for(FieldError("sampling.max_new_tokens", "9 exceeds the limit of 8"), api.names)
     assert (error.status, error.param, error.message) == (400, "max_completion_tokens",
                                                           "max_completion_tokens: 9 exceeds the limit of 8")
-    error = openai_api.error_for(ValueError("messages[3].role must be one of system"), api.names)
-    assert error.param == "messages[3].role"
+    error = openai_api.error_for(FieldError("messages[3].role", "must be one of system"), api.names)
+    assert (error.param, error.message) == ("messages[3].role", "messages[3].role: must be one of system")
+    # A bare ValueError names no field, whatever its text says: the field travels as data.
+    assert openai_api.error_for(ValueError("prompt: no"), api.names).param is None
+    # A downstream refusal's field comes from its status (the rich error's BadRequest), not its text.
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    details = "sampling.max_new_tokens: 9 exceeds this verifier's cap"
+    downstream = grpc.aio.AioRpcError(code, grpc.aio.Metadata(),
+                                      grpc.aio.Metadata(*status_details(code, details, "sampling.max_new_tokens")),
+                                      details=details)
+    error = openai_api.error_for(downstream, api.names)
+    assert (error.status, error.param, error.message) == (400, "max_completion_tokens", f"downstream: {details}")
+    untagged = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+    assert openai_api.error_for(untagged, api.names).param is None
     # The role passes through as given: the request path maps it, for both fronts (gateway.generation.ROLE_ALIASES).
     assert openai_api.parse_request({"messages": [{"role": "developer", "content": "x"}]}, openai_api.CHAT, "m",
                                     "id").generation.messages == [("developer", "x")]

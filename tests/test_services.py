@@ -10,11 +10,13 @@ import threading
 import time
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
 from specdec.client import ChunkEvent, FinalEvent, GatewayClient, build_request
+from specdec.rpc.server import error_field
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tests.harness import health_status, metrics_text, scrape_metric, start_service, start_stack
 from tests.test_greedy_equality import hf_greedy
@@ -245,6 +247,7 @@ def test_malformed_request_is_invalid_argument(stack, name, kwargs, field):
             client.generate(**kwargs)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert field in info.value.details()
+        assert error_field(info.value) == field  # as data, in the status's rich error
         # ... and the service still serves.
         ok = client.generate(prompt="the", max_new_tokens=3, ignore_eos=True)
         assert len(ok.token_ids) == 3
@@ -347,7 +350,8 @@ def test_round_on_the_wire_fits_8kb(embedded_target):
     # And it round-trips exactly: q on the verifier is the q the drafter sampled from.
     back = convert.proposal_from_pb(verifier_message.block)
     for sent, received in zip(proposal.draft_probs, back.draft_probs):
-        assert torch.equal(sent.token_ids, received.token_ids) and torch.equal(sent.probs, received.probs)
+        assert np.array_equal(sent.token_ids, received.token_ids) and np.array_equal(sent.probs, received.probs)
+        assert received.probs.dtype == np.float32  # as the drafter sampled from (fp32 on the wire)
 
 
 def test_serve_threads_flag_sets_the_model_threads(tiny_pair, tmp_path):

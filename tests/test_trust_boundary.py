@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from specdec.client import GatewayClient
+from specdec.rpc.server import error_field
+from specdec.wire_types import DraftProposal, SparseDistribution
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, types_pb2, verifier_pb2, verifier_pb2_grpc
 from tests.harness import scrape_metric, start_service
 from tests.test_services import active_sessions
@@ -158,6 +160,7 @@ def test_malformed_q_is_invalid_argument_naming_the_field(verifier, name, tokens
         stream.ask(block(tokens, probs))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert field in info.value.details(), info.value.details()
+    assert error_field(info.value) == field.split(":")[0]  # the field travels as data, not only as text
     # The stream is gone with its session (the fixture checks active sessions return to 0) and a
     # fresh session verifies a well-formed block of the same shape.
     fresh = Raw(stub.Verify)
@@ -172,14 +175,16 @@ def test_a_refused_block_leaves_the_session_untouched(tiny_target):
     decides the next one exactly as a session that never saw it."""
     from specdec.rpc import convert
     from specdec.sampling import SamplingParams
-    from specdec.verification import TargetSession
+    from specdec.verification import TargetSession, check_draft_probs
+    from specdec.wire_types import FieldError
 
     params = SamplingParams(temperature=1.0, seed=3, max_new_tokens=16)
     refused, clean = TargetSession(tiny_target, [5, 6, 7], params), TargetSession(tiny_target, [5, 6, 7], params)
     assert refused.prefill() == clean.prefill()
     tokens, cached = list(refused.tokens), list(refused.kv.cached_tokens)
-    with pytest.raises(ValueError, match=r"draft_probs\[0\]\.probs: sum 7\.3"):
-        convert.proposal_from_pb(block([D], [([D, 10], [7.0, 0.3])]).block)
+    with pytest.raises(FieldError, match=r"draft_probs\[0\]\.probs: sum 7\.3") as refusal:
+        check_draft_probs(convert.proposal_from_pb(block([D], [([D, 10], [7.0, 0.3])]).block))
+    assert refusal.value.field == "draft_probs[0].probs"
     assert refused.tokens == tokens and refused.kv.cached_tokens == cached
     good = convert.proposal_from_pb(block([D], [([D, 10], [0.75, 0.25])]).block)
     assert refused.verify(good) == clean.verify(good)
@@ -392,6 +397,81 @@ def test_legit_sampled_drafts_pass_validation_through_the_gateway(services, tiny
                 accepted += result.stats["accepted_tokens"]
         assert drafted > 0 and accepted > 0
         assert "drafter failed" not in gateway.log() and "INVALID_ARGUMENT" not in gateway.log()
+    finally:
+        gateway.stop()
+        assert wait_idle(verifier.address, "verifier") == 0
+
+
+class _MalformedQDrafter:
+    """A drafter link whose every proposal carries a q that does not sum to 1 (a buggy drafter)."""
+
+    concurrent = reads_features = holds_features = False
+
+    def __init__(self) -> None:
+        self.proposals = 0
+
+    async def propose(self, committed, num_draft_tokens):
+        self.proposals += 1
+        return DraftProposal([D], [SparseDistribution([D, 10], [7.0, 0.3])])
+
+
+def test_a_drafter_s_malformed_q_is_refused_by_the_verifier_and_the_request_goes_on_exactly(services, tiny_pair):
+    """The gateway relays q unread: the verifier refuses the block (INVALID_ARGUMENT naming
+    draft_probs[0].probs, as data in the status); the gateway's verifier link takes that as the
+    drafter's fault, reopens the session on the same replica and verifies no more of its drafts, so
+    the client gets exactly the tokens of plain decoding and the replica is never blamed."""
+    import asyncio
+
+    from gateway.migration import MigratingVerifier
+    from gateway.pools import BackendPool
+    from specdec.completion import CompletionBuilder
+    from specdec.engine import collect, generate
+    from specdec.policy import FixedDraftLength
+    from specdec.rpc.server import DEFAULT_MAX_MESSAGE_BYTES
+    from specdec.tokenizer import ServingTokenizer
+    from specdec.wire_types import SamplingParams
+
+    tokenizer = ServingTokenizer.from_directory(tiny_pair[1])
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+
+    async def run(drafter):
+        pool = BackendPool("verifier", verifier_pb2_grpc.VerifierStub, DEFAULT_MAX_MESSAGE_BYTES)
+        pool.set_addresses([services[0].address])
+        await pool.refresh()
+        backend = pool.backends[0]
+        verifier = MigratingVerifier(pool, backend, f"q-{drafter is None}", [5, 6, 7], params, lambda: None)
+        try:
+            result = await collect(generate(prompt_tokens=3, completion=CompletionBuilder(tokenizer, params),
+                                            verifier=verifier, drafter=drafter, policy=FixedDraftLength(1)))
+        finally:
+            await verifier.close()
+            await backend.channel.close()
+        return result, verifier
+
+    buggy = _MalformedQDrafter()
+    refused, link = asyncio.run(run(buggy))
+    plain, _ = asyncio.run(run(None))
+    assert link.q_refused == "draft_probs[0].probs" and link.migrations == 0
+    assert buggy.proposals > 1 and refused.stats.accepted_tokens == 0  # later blocks went without its drafts
+    assert refused.token_ids == plain.token_ids
+    assert wait_idle(services[0].address, "verifier") == 0
+
+
+def test_a_verifier_s_refusal_keeps_its_field_through_the_gateway(services, tiny_pair, tmp_path):
+    """The gateway allows more new tokens than the verifier's cap: the verifier refuses the session
+    (INVALID_ARGUMENT naming sampling.max_new_tokens) and the gateway's client gets that status with
+    the field still named as data, from the verifier's status across the hop."""
+    verifier, drafter = services
+    gateway = start_service("gateway", ["--target", str(tiny_pair[1]), "--verifier", verifier.address,
+                                        "--max-new-tokens-cap", str(4 * CAP)], tmp_path)
+    try:
+        gateway.wait_serving()
+        with GatewayClient(gateway.address, timeout=60) as client:
+            with pytest.raises(grpc.RpcError) as info:
+                client.generate(prompt="the quick brown fox", max_new_tokens=2 * CAP)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("downstream: sampling.max_new_tokens"), info.value.details()
+        assert error_field(info.value) == "sampling.max_new_tokens"
     finally:
         gateway.stop()
         assert wait_idle(verifier.address, "verifier") == 0

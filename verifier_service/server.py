@@ -11,14 +11,15 @@ from specdec import telemetry
 from specdec.costs import measure_forward_curve
 from specdec.models import MAX_VOCAB_PADDING, LoadedModel, load_model
 from specdec.rpc import convert
-from specdec.ragged import BatchInfo
 from specdec.rpc.server import NotReady, idle_guard, ServiceRuntime, map_errors, map_unary_errors
 from specdec.rpc.sessions import ModelWorkerService, validate_session_id
 from specdec.sampling import DraftProposal, with_random_seed
 from specdec.service_config import VerifierConfig
 from specdec.target_features import WIRE_DTYPE
 from specdec.v1 import types_pb2, verifier_pb2, verifier_pb2_grpc
-from specdec.verification import PendingForward, PrefillChunk, TargetSession, Verdict, VerifyJob, verify_batch
+from specdec.verification import (PendingForward, PrefillChunk, TargetSession, Verdict, VerifyJob, check_draft_probs,
+                                  verify_batch)
+from specdec.wire_types import BatchInfo, FieldError
 
 log = logging.getLogger("specdec.verifier")
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
@@ -89,7 +90,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                 kind = request.WhichOneof("kind")
                 if kind == "start":
                     if session is not None:
-                        raise ValueError("start: a stream carries exactly one session")
+                        raise FieldError("start", "a stream carries exactly one session")
                     start = request.start
                     validate_session_id(start.session_id)
                     prompt = [int(t) for t in start.prompt_token_ids]
@@ -97,7 +98,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                     # Unseeded (a direct client; the gateway always seeds): a fresh seed, not resolved_seed()'s 0.
                     params = with_random_seed(convert.sampling_from_pb(start.sampling, min(128, self.max_new_tokens_cap)))
                     if params.max_new_tokens > self.max_new_tokens_cap:
-                        raise ValueError(f"sampling.max_new_tokens: {params.max_new_tokens} exceeds this verifier's "
+                        raise FieldError("sampling.max_new_tokens", f"{params.max_new_tokens} exceeds this verifier's "
                                          f"cap ({self.max_new_tokens_cap}; --max-new-tokens-cap)")
                     budget = len(prompt) + params.max_new_tokens  # the committed length never passes it
                     session, key = await self.start_session(context.peer(), start.session_id, lambda: TargetSession(
@@ -114,7 +115,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                                                       **convert.verdict_fields(verdict))
                 elif kind == "block":
                     if session is None:
-                        raise ValueError("block: send start first")
+                        raise FieldError("block", "send start first")
                     proposal = self._validate_block(request.block, session, lm, budget)
                     ahead_batch = await _settle(ahead)
                     ahead = None
@@ -133,7 +134,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                     yield verifier_pb2.VerifyResponse(round=request.block.round, service_time_us=_us_since(received),
                                                       **convert.verdict_fields(verdict))
                 else:
-                    raise ValueError("kind: set start or block")
+                    raise FieldError("kind", "set start or block")
         except BaseException as exc:
             if trace is not None:
                 trace.fail(exc)
@@ -183,7 +184,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
         return verify_batch(self.lm, jobs)
 
     def _validate_block(self, block, session: TargetSession, lm: LoadedModel, budget: int) -> DraftProposal:
-        """The block's proposal, checked before anything of it is applied (``ValueError`` naming the
+        """The block's proposal, checked before anything of it is applied (``FieldError`` naming the
         field; the session is untouched): the draft count within this verifier's limit, ids in the
         vocabulary, each q well formed (``verification.check_draft_probs``, which says why there is
         no floor under q), the context, and the session's max_new_tokens (capped by
@@ -192,17 +193,18 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
         proposal is a proposal: exact), so no verdict commits past them."""
         k = len(block.draft_token_ids)
         if k > self.max_draft_tokens:
-            raise ValueError(f"draft_token_ids: {k} drafts exceed this verifier's limit ({self.max_draft_tokens})")
+            raise FieldError("draft_token_ids", f"{k} drafts exceed this verifier's limit ({self.max_draft_tokens})")
         bad = next((t for t in block.draft_token_ids if t >= lm.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"draft_token_ids: id {bad} is outside the vocabulary (size {lm.vocab_size})")
+            raise FieldError("draft_token_ids", f"id {bad} is outside the vocabulary (size {lm.vocab_size})")
         if len(session.tokens) + k >= lm.max_positions:
-            raise ValueError("draft_token_ids: the block would exceed the model context")
+            raise FieldError("draft_token_ids", "the block would exceed the model context")
         remaining = budget - len(session.tokens)
         if remaining <= 0:
-            raise ValueError(f"max_new_tokens: the session has generated its {session.params.max_new_tokens} "
+            raise FieldError("max_new_tokens", f"the session has generated its {session.params.max_new_tokens} "
                              "tokens (sampling.max_new_tokens); no further blocks")
-        proposal = convert.proposal_from_pb(block, support_bound=lm.vocab_size + MAX_VOCAB_PADDING)
+        proposal = convert.proposal_from_pb(block)
+        check_draft_probs(proposal, support_bound=lm.vocab_size + MAX_VOCAB_PADDING)  # the gateway relays q unread
         return proposal.prefix(remaining - 1) if k + 1 > remaining else proposal
 
     @map_unary_errors

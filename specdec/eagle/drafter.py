@@ -20,6 +20,7 @@ from specdec.lm import LoadedModel
 from specdec.models import resolve_model_path
 from specdec.sampling import DraftProposal, SamplingParams
 from specdec.target_features import WIRE_DTYPE, TargetFeatures
+from specdec.wire_types import FieldError
 
 
 # The LM head's ids while drafting: the most frequent 4096 of the 16384 trained. A smaller head halves the
@@ -34,7 +35,7 @@ class FeatureHistory:
 
     ``first`` is 0 unless the features began later: a long prompt's are windowed (``TargetSession``),
     and a relay keeps only the newest features that fit one message while a session drafts nothing
-    (``target_features.FeatureRelay``). Features that start past ``length`` (a jump forward: the
+    (``gateway.feature_relay.FeatureRelay``). Features that start past ``length`` (a jump forward: the
     relay dropped those between) or before ``first`` (a migrated verifier's windowed prefill resends
     from earlier) start the history afresh there; the head then drafts from them on
     (``HeadSession``), which changes drafts only, never the output."""
@@ -48,7 +49,7 @@ class FeatureHistory:
     def write(self, features: TargetFeatures) -> None:
         """Store ``features``; positions already held are overwritten (a migrated verifier resends)."""
         if features.values.shape[1] != self.width:
-            raise ValueError(f"target_features.hidden_size: {features.values.shape[1]}, this drafter's head "
+            raise FieldError("target_features.hidden_size", f"{features.values.shape[1]}, this drafter's head "
                              f"reads {self.width}")
         if self.length == self.first or not self.first <= features.start <= self.length:
             self.first = self.length = features.start  # the first features, or a fresh start (see above)
@@ -82,7 +83,7 @@ class EagleDraftSession(DraftSession):
         if num_draft_tokens <= 0 or n < 1 or self.features.length <= self.features.first:
             return DraftProposal()  # nothing to draft from yet (no verdict's features)
         if self.features.length > n:
-            raise ValueError(f"target_features: features up to position {self.features.length - 1} for "
+            raise FieldError("target_features", f"features up to position {self.features.length - 1} for "
                              f"{len(self.tokens)} committed tokens (at most position {n - 1})")
         choose, probs = None, None
         if not self.params.greedy:

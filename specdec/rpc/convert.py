@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from specdec.completion import FINISH_LENGTH, FINISH_STOP
 from specdec.engine import GenerationStats
-from specdec.lm import LoadedModel
-from specdec.ragged import BatchInfo
-from specdec.sampling import DEFAULT_DRAFT_TOP_K, DraftProposal, SamplingParams, SparseDistribution
-from specdec.target_features import EncodedFeatures, TargetFeatures
 from specdec.v1 import gateway_pb2, types_pb2
-from specdec.verification import Verdict, check_draft_probs
+from specdec.wire_types import (
+    DEFAULT_DRAFT_TOP_K,
+    BatchInfo,
+    DraftProposal,
+    EncodedFeatures,
+    SamplingParams,
+    SparseDistribution,
+    Verdict,
+)
+
+if TYPE_CHECKING:  # annotations only: the gateway, which uses this module, loads no model
+    from specdec.lm import LoadedModel
+    from specdec.target_features import TargetFeatures
 
 FINISH_REASON_TO_PB = {
     FINISH_STOP: gateway_pb2.FINISH_REASON_STOP,
@@ -23,7 +33,7 @@ FINISH_REASON_FROM_PB = {v: k for k, v in FINISH_REASON_TO_PB.items()}
 def sampling_from_pb(
     pb: types_pb2.SamplingParams, default_max_new_tokens: int = 128, draft_top_k: int = 0, validate: bool = True
 ) -> SamplingParams:
-    """Build and validate core sampling params; ``ValueError`` names the bad field. ``validate=False``
+    """Build and validate core sampling params; ``FieldError`` names the bad field. ``validate=False``
     leaves the checks to the caller (the gateway checks its limits first)."""
     params = SamplingParams(
         max_new_tokens=pb.max_new_tokens or default_max_new_tokens,
@@ -63,9 +73,8 @@ def sparse_to_pb(dist: SparseDistribution) -> types_pb2.SparseDistribution:
 
 def sparse_from_pb(pb: types_pb2.SparseDistribution) -> SparseDistribution:
     """The distribution as sent: float32 on the wire is what the drafter sampled from. Whether it is
-    a distribution at all is ``verification.check_draft_probs``'s to say (``proposal_from_pb``)."""
-    return SparseDistribution(torch.tensor(list(pb.token_ids), dtype=torch.long),
-                              torch.tensor(list(pb.probs), dtype=torch.float32))
+    a distribution at all is ``verification.check_draft_probs``'s to say (the verifier's)."""
+    return SparseDistribution(np.array(pb.token_ids, dtype=np.int64), np.array(pb.probs, dtype=np.float32))
 
 
 def proposal_fields(proposal: DraftProposal) -> dict:
@@ -74,19 +83,13 @@ def proposal_fields(proposal: DraftProposal) -> dict:
     return {"draft_token_ids": list(proposal.draft_tokens), "draft_probs": probs}
 
 
-def proposal_from_pb(msg, support_bound: int | None = None) -> DraftProposal:
-    """From a message with ``draft_token_ids`` and ``draft_probs`` (DraftProposal or VerifyBlock).
-
-    ``ValueError`` naming the field unless each q is well formed (one per draft token, unique ids,
-    finite probabilities >= 0 summing to 1, the draft token in its own support): the gateway treats
-    a drafter that sends otherwise as failed, the verifier refuses the block. ``support_bound``
-    (the verifier): ids of each q's support must be below it."""
+def proposal_from_pb(msg) -> DraftProposal:
+    """From a message with ``draft_token_ids`` and ``draft_probs`` (DraftProposal or VerifyBlock),
+    unchecked: the one hop that reads each q, the verifier, checks it (``verification.check_draft_probs``)."""
     tokens = [int(t) for t in msg.draft_token_ids]
     if not msg.draft_probs:
         return DraftProposal(tokens, None)
-    proposal = DraftProposal(tokens, [sparse_from_pb(d) for d in msg.draft_probs])
-    check_draft_probs(proposal, support_bound)
-    return proposal
+    return DraftProposal(tokens, [sparse_from_pb(d) for d in msg.draft_probs])
 
 
 # At most what a TargetFeatures field adds to a DraftPropose beside its data (tags, varints, length
@@ -95,14 +98,14 @@ FEATURES_FIELD_OVERHEAD = 64
 
 
 def features_to_pb(features: TargetFeatures | EncodedFeatures) -> types_pb2.TargetFeatures:
-    encoded = features.encode() if isinstance(features, TargetFeatures) else features
+    encoded = features if isinstance(features, EncodedFeatures) else features.encode()
     return types_pb2.TargetFeatures(start_position=encoded.start, num_positions=encoded.count,
                                     hidden_size=encoded.width, bf16_data=encoded.data)
 
 
 def attach_features(propose, features: EncodedFeatures | None, max_message_bytes: int) -> None:
     """Set ``propose.target_features`` (a DraftPropose) to the newest of ``features`` that fit beside
-    the rest of the proposal in a message of ``max_message_bytes`` (``target_features.FeatureRelay``
+    the rest of the proposal in a message of ``max_message_bytes`` (``gateway.feature_relay.FeatureRelay``
     says why the newest). A payload longer than its header says goes only if it fits: the drafter refuses it."""
     if features is None:
         return
@@ -117,13 +120,6 @@ def encoded_features_from_pb(pb: types_pb2.TargetFeatures) -> EncodedFeatures | 
     if pb.num_positions == 0 and not pb.bf16_data:
         return None
     return EncodedFeatures(int(pb.start_position), int(pb.num_positions), int(pb.hidden_size), pb.bf16_data)
-
-
-def features_from_pb(pb: types_pb2.TargetFeatures, field: str, hidden_size: int | None = None) -> TargetFeatures | None:
-    """The features in ``pb`` (None when it carries none); ``ValueError`` naming ``field`` unless the
-    bytes match the stated shape, the width is ``hidden_size`` (when given) and every value is finite."""
-    encoded = encoded_features_from_pb(pb)
-    return encoded.decode(field, hidden_size) if encoded is not None else None
 
 
 def verdict_fields(verdict: Verdict) -> dict:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
-from specdec.ragged import BatchInfo
+from specdec.wire_types import BatchInfo
 
 log = logging.getLogger(__name__)
 

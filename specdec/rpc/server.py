@@ -18,11 +18,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from specdec.rpc.security import ApiKeyInterceptor, ServiceAuthInterceptor, TLSConfig, with_service_token
+from specdec.wire_types import FieldError
 
 log = logging.getLogger(__name__)
 
@@ -125,11 +127,53 @@ def error_message(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+# The field of an INVALID_ARGUMENT travels as gRPC's standard rich error (what Google's APIs send, and
+# grpcio-status reads): a google.rpc.Status in this trailer, its details one google.rpc.BadRequest
+# whose field violation names the field. Every hop reads it here (``error_field``), never from the text.
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+
+def error_field(exc: BaseException) -> str | None:
+    """The request field ``exc`` is about: a ``FieldError``'s, or the one a downstream service's
+    status named (``status_details``); None when it names none."""
+    if isinstance(exc, FieldError):
+        return exc.field
+    # A downstream status (aio) or a client's (sync): both carry the trailer.
+    if not (isinstance(exc, grpc.RpcError) and hasattr(exc, "trailing_metadata")
+            and exc.code() == grpc.StatusCode.INVALID_ARGUMENT):
+        return None
+    raw = next((value for key, value in exc.trailing_metadata() or () if key == STATUS_DETAILS_KEY), None)
+    if not isinstance(raw, bytes):
+        return None
+    try:
+        status = status_pb2.Status.FromString(raw)
+        for detail in status.details:
+            bad_request = error_details_pb2.BadRequest()
+            if detail.Unpack(bad_request) and bad_request.field_violations:
+                return bad_request.field_violations[0].field or None
+    except Exception:  # noqa: BLE001 - a peer's malformed trailer names no field; the status still stands
+        return None
+    return None
+
+
+def status_details(code: grpc.StatusCode, message: str, field: str | None) -> tuple:
+    """The trailing metadata of a status: the rich error naming ``field`` (none without one)."""
+    if field is None:
+        return ()
+    violation = error_details_pb2.BadRequest(field_violations=[
+        error_details_pb2.BadRequest.FieldViolation(field=field, description=message)])
+    status = status_pb2.Status(code=code.value[0], message=message)
+    status.details.add().Pack(violation)
+    return ((STATUS_DETAILS_KEY, status.SerializeToString()),)
+
+
 async def _abort_with_status(exc: Exception, context, handler_name: str) -> None:
     code = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:  # a bug here: the traceback is what fixes it
         log.exception("internal error in %s", handler_name)
-    await context.abort(code, error_message(exc))
+    message = error_message(exc)
+    field = error_field(exc) if code == grpc.StatusCode.INVALID_ARGUMENT else None
+    await context.abort(code, message, trailing_metadata=status_details(code, message, field))
 
 
 def map_errors(handler: Callable) -> Callable:

@@ -11,6 +11,7 @@ from specdec.rpc.scheduler import BatchingOptions, BatchScheduler
 from specdec.rpc.security import peer_host
 from specdec.rpc.server import Overloaded, SessionNotFound
 from specdec.telemetry import ServiceMetrics
+from specdec.wire_types import FieldError
 
 log = logging.getLogger(__name__)
 
@@ -19,9 +20,9 @@ MAX_SESSION_ID_CHARS = 128  # a session id is a request id or a minted token, ne
 
 
 def validate_session_id(session_id: str) -> None:
-    """``ValueError`` naming ``session_id`` when it is longer than ``MAX_SESSION_ID_CHARS``."""
+    """``FieldError`` naming ``session_id`` when it is longer than ``MAX_SESSION_ID_CHARS``."""
     if len(session_id) > MAX_SESSION_ID_CHARS:
-        raise ValueError(f"session_id: {len(session_id)} characters exceed the limit of {MAX_SESSION_ID_CHARS}")
+        raise FieldError("session_id", f"{len(session_id)} characters exceed the limit of {MAX_SESSION_ID_CHARS}")
 
 
 class SessionRegistry:
