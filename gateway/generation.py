@@ -31,7 +31,7 @@ from specdec.wire_types import FieldError, SamplingParams, is_utf8, with_random_
 
 from gateway.links import RemoteDrafter
 from gateway.migration import MigratingVerifier
-from gateway.pools import BackendPool
+from gateway.pools import ReplicaPool
 
 log = logging.getLogger("specdec.gateway")
 METHODS = ("auto", "model", "eagle", "ngram", "none")
@@ -114,7 +114,7 @@ class GatewayCore:
     """Validation, admission, replica choice and the speculative loop of every request."""
 
     def __init__(self, runtime: ServiceRuntime, tokenizer, limits: GatewayLimits,
-                 verifiers: BackendPool, drafters: BackendPool, link_options: LinkOptions | None = None) -> None:
+                 verifiers: ReplicaPool, drafters: ReplicaPool, link_options: LinkOptions | None = None) -> None:
         self.runtime = runtime
         self.link_options = link_options or LinkOptions()
         self.tokenizer = tokenizer
@@ -151,7 +151,7 @@ class GatewayCore:
                 model = ready[0].info.model
                 self.eos_token_ids = tuple(model.eos_token_ids)
                 self.max_positions = model.max_positions or self.max_positions
-            all_ready = all(b.info is not None for b in self.verifiers.backends + self.drafters.backends)
+            all_ready = all(b.info is not None for b in self.verifiers.replicas + self.drafters.replicas)
             waited = asyncio.get_running_loop().time() - started > startup_wait_s
             should_serve = bool(ready) and (self.serving or all_ready or waited)
             if should_serve != self.serving:
@@ -280,18 +280,18 @@ class GatewayCore:
         """The least-loaded ready verifier; while none is ready (one restarting, a rollout), wait up
         to ``verifier_wait_s`` and the request's deadline for one instead of failing at once.
         UNAVAILABLE after that."""
-        backend = self.verifiers.pick()
-        if backend is not None:
-            return backend
+        replica = self.verifiers.pick()
+        if replica is not None:
+            return replica
         wait_s = self.verifier_wait_s(time_remaining)
         self.waiting += 1
         try:
-            backend = await self.verifiers.wait_pick(wait_s)
+            replica = await self.verifiers.wait_pick(wait_s)
         finally:
             self.waiting -= 1
-        if backend is None:
+        if replica is None:
             raise NotReady(f"no verifier is ready (waited {wait_s:.0f} s)")
-        return backend
+        return replica
 
     # -- one request -------------------------------------------------------------------------------
     def request_telemetry(self, request: GenerationRequest, attributes: dict | None = None) -> telemetry.RequestTelemetry:
@@ -318,7 +318,7 @@ class GatewayCore:
             raise
         if method == "auto":
             method = next((m for m in AUTO_DRAFT_METHODS if self.drafters.ready(m)), "ngram")
-        verifier_backend = await self._pick_verifier(time_remaining)
+        verifier_replica = await self._pick_verifier(time_remaining)
         self._admit()  # again: others may have been admitted meanwhile (no await from here to active += 1)
         request_id = request.request_id or new_request_id()
         # Downstream session ids are ours, unguessable, never the client's request_id (which another
@@ -326,33 +326,33 @@ class GatewayCore:
         verifier_session, drafter_session = uuid.uuid4().hex, uuid.uuid4().hex
         obs.begin(request_id=request_id, params=params, prompt_tokens=len(prompt_ids), method=method, requested_k=k)
         metadata = obs.metadata()  # W3C trace context for both downstream streams (None: tracing off)
-        verifier, policy, drafter_backend, remote_drafter = None, None, None, None
+        verifier, policy, drafter_replica, remote_drafter = None, None, None, None
         self.active += 1
         try:
             self.metrics.active_sessions.set(self.active)
             self.metrics.requests.inc()
             links = self.link_options
             # A drafter service of that method if one runs; n-gram lookup can also run right here.
-            drafter_backend = self.drafters.pick(method) if method in ("model", "eagle", "ngram") else None
-            feature_size = drafter_backend.info.feature_size if drafter_backend is not None else 0
-            if feature_size and feature_size != verifier_backend.info.feature_size:
+            drafter_replica = self.drafters.pick(method) if method in ("model", "eagle", "ngram") else None
+            feature_size = drafter_replica.info.feature_size if drafter_replica is not None else 0
+            if feature_size and feature_size != verifier_replica.info.feature_size:
                 log.warning("request %s: drafter %s reads features of width %d, verifier %s streams %d; no drafts",
-                            printable(request_id), drafter_backend.address, feature_size, verifier_backend.address,
-                            verifier_backend.info.feature_size)
-                drafter_backend, feature_size = None, 0
-            verifier = MigratingVerifier(self.verifiers, verifier_backend, verifier_session, prompt_ids, params,
+                            printable(request_id), drafter_replica.address, feature_size, verifier_replica.address,
+                            verifier_replica.info.feature_size)
+                drafter_replica, feature_size = None, 0
+            verifier = MigratingVerifier(self.verifiers, verifier_replica, verifier_session, prompt_ids, params,
                                          time_remaining, metadata, links.net_delay_s, request_id=request_id,
                                          want_features=feature_size > 0,
                                          wait_s=lambda: self.verifier_wait_s(time_remaining))
             drafter_link = None
-            draft_model = drafter_backend.info.model.model if drafter_backend is not None else ""
+            draft_model = drafter_replica.info.model.model if drafter_replica is not None else ""
             policy = make_policy(k, memory=self.acceptance_memory, max_k=self.limits.max_draft_tokens,
-                                 key=AcceptanceMemory.make_key(method, draft_model, verifier_backend.info.model.model),
-                                 forward_curve=list(verifier_backend.info.forward_cost_s) or None,
-                                 co_batched=max(0, verifier_backend.load - 1))  # its other sessions, this one opened
-            if drafter_backend is not None:
-                drafter_backend.in_flight += 1
-                remote_drafter = RemoteDrafter(drafter_backend.stub, drafter_session, prompt_ids, params,
+                                 key=AcceptanceMemory.make_key(method, draft_model, verifier_replica.info.model.model),
+                                 forward_curve=list(verifier_replica.info.forward_cost_s) or None,
+                                 co_batched=max(0, verifier_replica.load - 1))  # its other sessions, this one opened
+            if drafter_replica is not None:
+                drafter_replica.in_flight += 1
+                remote_drafter = RemoteDrafter(drafter_replica.stub, drafter_session, prompt_ids, params,
                                                time_remaining, metadata, net_delay_s=links.net_delay_s,
                                                request_id=request_id, reads_features=feature_size > 0,
                                                max_message_bytes=self.drafters.max_message_bytes,
@@ -366,12 +366,12 @@ class GatewayCore:
                 drafter_link = remote_drafter
             elif method == "ngram":
                 drafter_link = LocalDrafter(NgramDrafter().start(prompt_ids, params))
-            obs.links(verifier, drafter_link, verifier_backend.address,
-                      drafter_backend.address if drafter_backend is not None else None,
-                      (drafter_backend.info.model.model or None) if drafter_backend is not None else None)
+            obs.links(verifier, drafter_link, verifier_replica.address,
+                      drafter_replica.address if drafter_replica is not None else None,
+                      (drafter_replica.info.model.model or None) if drafter_replica is not None else None)
             log.info("request %s: verifier session %s on %s, drafter session %s", printable(request_id),
-                     verifier_session, verifier_backend.address,
-                     f"{drafter_session} on {drafter_backend.address}" if remote_drafter else "none")
+                     verifier_session, verifier_replica.address,
+                     f"{drafter_session} on {drafter_replica.address}" if remote_drafter else "none")
             if obs.span is not None:
                 obs.span.set_attribute("specdec.verifier.session_id", verifier_session)
                 if remote_drafter is not None:
@@ -387,7 +387,7 @@ class GatewayCore:
                 max_context=self.max_positions,
                 on_round=obs.on_round,
                 draft_ahead=(remote_drafter is not None and draft_ahead
-                             and drafter_backend.info is not None and drafter_backend.info.supports_draft_ahead),
+                             and drafter_replica.info is not None and drafter_replica.info.supports_draft_ahead),
             )
             async for event in events:
                 if isinstance(event, GenerationResult):
@@ -412,6 +412,6 @@ class GatewayCore:
             if verifier is not None:
                 closers.append(verifier.close())
             if remote_drafter is not None:
-                drafter_backend.in_flight -= 1
+                drafter_replica.in_flight -= 1
                 closers.append(remote_drafter.close())
             await asyncio.shield(asyncio.gather(*closers, return_exceptions=True))

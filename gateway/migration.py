@@ -58,7 +58,7 @@ class MigratingVerifier:
     carry a q go out without their drafts (plain decoding there: exact).
     """
 
-    def __init__(self, pool, backend, session_id: str, prompt_ids: list[int], params: SamplingParams,
+    def __init__(self, pool, replica, session_id: str, prompt_ids: list[int], params: SamplingParams,
                  remaining_s, metadata=None, net_delay_s: float = 0.0, request_id: str = "",
                  want_features: bool = False, wait_s: Callable[[], float] = lambda: 0.0) -> None:
         self.pool = pool
@@ -75,22 +75,22 @@ class MigratingVerifier:
         # What one request may spend on failed verifiers, so that a request whose text makes every
         # verifier fail (a crash on this input) cannot cycle through the pool, or through one
         # restarting replica, for ever: one --verifier-wait of waiting in all, and a few moves.
-        self.max_migrations = MAX_MIGRATIONS_PER_REPLICA * max(1, len(pool.backends))
+        self.max_migrations = MAX_MIGRATIONS_PER_REPLICA * max(1, len(pool.replicas))
         self._wait_until: float | None = None  # loop time the waiting budget ends (set at the first wait)
-        self.link = self._open(backend, self.committed)
-        self.backend = backend
+        self.link = self._open(replica, self.committed)
+        self.replica = replica
         self.q_refused: str | None = None  # the field a verifier refused in this request's drafter's q
 
-    def _open(self, backend, prompt_ids: list[int]) -> RemoteVerifier:
-        link = RemoteVerifier(backend.stub, self.session_id, list(prompt_ids), self.params,
+    def _open(self, replica, prompt_ids: list[int]) -> RemoteVerifier:
+        link = RemoteVerifier(replica.stub, self.session_id, list(prompt_ids), self.params,
                               self.remaining_s(), self.metadata, self.net_delay_s, self.want_features)
-        backend.in_flight += 1  # once the link exists: close() lowers it again
+        replica.in_flight += 1  # once the link exists: close() lowers it again
         return link
 
     async def _replace(self, error: BaseException, failed: dict[str, int]) -> None:
         """Move the session to another ready replica (waiting for one if none is), or raise
         ``VerifierUnavailable``."""
-        lost = self.backend
+        lost = self.replica
         failed[lost.address] = lost.ready_epoch
         self.pool.mark_not_ready(lost)
         self.link.call.cancel()
@@ -117,18 +117,18 @@ class MigratingVerifier:
                     replacement.address)
         self.link = self._open(replacement, self.committed)
         lost.in_flight -= 1
-        self.backend = replacement
+        self.replica = replacement
         self.migrations += 1
 
     def _reopen_after_refused_q(self, exc: grpc.aio.AioRpcError, field: str) -> None:
         """The same replica, a new session over the committed text (see the class docstring)."""
         log.warning("verifier %s refused the drafter's q for request %s (%s: %s); re-prefilling %d tokens there, "
-                    "no more sampled drafts for this request", self.backend.address, self.request_id, field,
+                    "no more sampled drafts for this request", self.replica.address, self.request_id, field,
                     exc.details(), len(self.committed))
         self.q_refused = field
         self.link.call.cancel()
-        self.link = self._open(self.backend, self.committed)
-        self.backend.in_flight -= 1  # _open counted the new link; the old one's count passes to it
+        self.link = self._open(self.replica, self.committed)
+        self.replica.in_flight -= 1  # _open counted the new link; the old one's count passes to it
 
     async def _guarded(self, operation) -> Verdict:
         failed: dict[str, int] = {}
@@ -177,5 +177,5 @@ class MigratingVerifier:
         return getattr(self.link, "prefill_service_s", 0.0)
 
     async def close(self) -> None:
-        self.backend.in_flight -= 1
+        self.replica.in_flight -= 1
         await self.link.close()

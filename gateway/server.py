@@ -16,7 +16,7 @@ from specdec.wire_types import FieldError
 
 from gateway.generation import Finished, GatewayCore, GatewayLimits, GenerationRequest, LinkOptions, new_request_id
 from gateway.http import HttpFront
-from gateway.pools import BackendPool
+from gateway.pools import ReplicaPool
 from gateway.requests import UndecodableRequest, add_gateway_service
 
 __all__ = ["GatewayLimits", "GatewayService", "LinkOptions", "request_from_pb", "serve"]
@@ -106,9 +106,9 @@ async def serve(config: GatewayConfig) -> None:
     runtime = ServiceRuntime(SERVICE_NAME, options)
     loop = asyncio.get_running_loop()
     tokenizer = await loop.run_in_executor(None, load_serving_tokenizer, config.target)
-    verifiers = BackendPool("verifier", verifier_pb2_grpc.VerifierStub, options.max_message_bytes, options.tls,
+    verifiers = ReplicaPool("verifier", verifier_pb2_grpc.VerifierStub, options.max_message_bytes, options.tls,
                             options.outbound_service_token)
-    drafters = BackendPool("drafter", drafter_pb2_grpc.DrafterStub, options.max_message_bytes, options.tls,
+    drafters = ReplicaPool("drafter", drafter_pb2_grpc.DrafterStub, options.max_message_bytes, options.tls,
                            options.outbound_service_token)
     verifiers.set_addresses(list(config.verifiers))
     drafters.set_addresses(list(config.drafters))

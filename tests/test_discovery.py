@@ -161,24 +161,24 @@ def test_least_loaded_routing_across_live_verifiers(two_verifiers):
 
 
 def test_pool_follows_discovered_addresses():
-    """BackendPool.set_addresses (the watcher's callback) adds new replicas and retires removed ones."""
+    """ReplicaPool.set_addresses (the watcher's callback) adds new replicas and retires removed ones."""
     import asyncio
 
-    from gateway.pools import BackendPool
+    from gateway.pools import ReplicaPool
     from specdec.v1 import verifier_pb2_grpc
 
     async def scenario():
-        pool = BackendPool("verifier", verifier_pb2_grpc.VerifierStub, 1 << 20)
+        pool = ReplicaPool("verifier", verifier_pb2_grpc.VerifierStub, 1 << 20)
         pool.set_addresses({"127.0.0.1:1", "127.0.0.1:2"})
-        assert sorted(b.address for b in pool.backends) == ["127.0.0.1:1", "127.0.0.1:2"]
-        busy = next(b for b in pool.backends if b.address == "127.0.0.1:2")
+        assert sorted(b.address for b in pool.replicas) == ["127.0.0.1:1", "127.0.0.1:2"]
+        busy = next(b for b in pool.replicas if b.address == "127.0.0.1:2")
         busy.in_flight = 1
         pool.set_addresses({"127.0.0.1:3"})
         # The busy one stays (retired) until its sessions end; the idle one is gone.
-        assert sorted((b.address, b.removed) for b in pool.backends) == [("127.0.0.1:2", True), ("127.0.0.1:3", False)]
+        assert sorted((b.address, b.removed) for b in pool.replicas) == [("127.0.0.1:2", True), ("127.0.0.1:3", False)]
         await pool.refresh(timeout=0.5)  # nothing listens there: no replica is ready
         assert pool.pick() is None
-        for b in pool.backends:
+        for b in pool.replicas:
             await b.channel.close()
 
     asyncio.run(scenario())

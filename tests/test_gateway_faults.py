@@ -27,7 +27,7 @@ import pytest
 from gateway.links import RemoteDrafter
 from gateway.migration import MigratingVerifier, VerifierUnavailable
 from gateway.requests import bad_utf8_field
-from gateway.pools import BackendPool
+from gateway.pools import ReplicaPool
 from specdec.client import ChunkEvent, FinalEvent, GatewayClient, build_request
 from specdec.completion import CompletionBuilder
 from specdec.engine import GenerationResult, LocalVerifier, generate
@@ -236,12 +236,12 @@ def test_verifier_stream_ended_mid_request_migrates_or_is_unavailable(two_verifi
     assert len(expected) == 60
 
     async def go():
-        pool = BackendPool("verifier", verifier_pb2_grpc.VerifierStub, DEFAULT_MAX_MESSAGE_BYTES)
+        pool = ReplicaPool("verifier", verifier_pb2_grpc.VerifierStub, DEFAULT_MAX_MESSAGE_BYTES)
         pool.set_addresses([v.address for v in two_verifiers[:replicas]])
         await pool.refresh()  # once: no refresh loop runs here, so a failed replica stays unready
-        backend = next(b for b in pool.backends if b.address == two_verifiers[0].address)
-        stubs = [backend.stub]
-        verifier = MigratingVerifier(pool, backend, f"vfault-{mode}-{replicas}", PROMPT_IDS, params,
+        replica = next(b for b in pool.replicas if b.address == two_verifiers[0].address)
+        stubs = [replica.stub]
+        verifier = MigratingVerifier(pool, replica, f"vfault-{mode}-{replicas}", PROMPT_IDS, params,
                                      lambda: 60.0, request_id="req-v")
         rounds = 0
         ended = asyncio.get_running_loop().create_future()
@@ -264,7 +264,7 @@ def test_verifier_stream_ended_mid_request_migrates_or_is_unavailable(two_verifi
             outcome = exc
         finally:
             await verifier.close()
-            for b in pool.backends:
+            for b in pool.replicas:
                 await b.channel.close()
         return outcome, verifier, (await ended if ended.done() else None)
 
@@ -282,24 +282,24 @@ def test_verifier_stream_ended_mid_request_migrates_or_is_unavailable(two_verifi
 
 def test_a_replica_dropped_and_readded_by_discovery_is_taken_again_after_a_failure(two_verifiers):
     """A verifier restarted in place (same pod IP) leaves the EndpointSlice while it is not ready and
-    comes back as a new Backend: a session that failed on the old one takes the new one (its
+    comes back as a new Replica: a session that failed on the old one takes the new one (its
     readiness is newer than the failure), instead of waiting out --verifier-wait."""
     address = two_verifiers[0].address
 
     async def go():
-        pool = BackendPool("verifier", verifier_pb2_grpc.VerifierStub, DEFAULT_MAX_MESSAGE_BYTES)
+        pool = ReplicaPool("verifier", verifier_pb2_grpc.VerifierStub, DEFAULT_MAX_MESSAGE_BYTES)
         pool.set_addresses([address])
         await pool.refresh()
-        old = pool.backends[0]
+        old = pool.replicas[0]
         old.in_flight = 1  # a session still open on it: discovery keeps it, marked removed
         failed = {address: old.ready_epoch}
         pool.mark_not_ready(old)
         pool.set_addresses([])  # not ready: out of the slice
-        pool.set_addresses([address])  # serving again: back in it, as a new Backend
+        pool.set_addresses([address])  # serving again: back in it, as a new Replica
         await pool.refresh()
         picked = pool.pick(failed=failed)
-        for backend in pool.backends:
-            await backend.channel.close()
+        for replica in pool.replicas:
+            await replica.channel.close()
         return old, picked
 
     old, picked = asyncio.run(go())
@@ -331,11 +331,11 @@ def test_a_request_that_fails_every_verifier_gives_up_after_a_few_moves(two_veri
     from gateway.migration import MAX_MIGRATIONS_PER_REPLICA
 
     async def go():
-        pool = BackendPool("verifier", verifier_pb2_grpc.VerifierStub, DEFAULT_MAX_MESSAGE_BYTES)
+        pool = ReplicaPool("verifier", verifier_pb2_grpc.VerifierStub, DEFAULT_MAX_MESSAGE_BYTES)
         pool.set_addresses([two_verifiers[0].address])
         await pool.refresh()
-        backend = pool.backends[0]
-        backend.stub = failing = _FailingVerifyStub(backend.stub)
+        replica = pool.replicas[0]
+        replica.stub = failing = _FailingVerifyStub(replica.stub)
 
         async def refresh_often():
             while True:
@@ -343,7 +343,7 @@ def test_a_request_that_fails_every_verifier_gives_up_after_a_few_moves(two_veri
                 await pool.refresh()
 
         refresher = asyncio.ensure_future(refresh_often())
-        verifier = MigratingVerifier(pool, backend, "crash-loop", PROMPT_IDS, SamplingParams(max_new_tokens=8),
+        verifier = MigratingVerifier(pool, replica, "crash-loop", PROMPT_IDS, SamplingParams(max_new_tokens=8),
                                      lambda: None, request_id="req-crash", wait_s=lambda: 30.0)
         try:
             with pytest.raises(VerifierUnavailable) as info:
@@ -351,7 +351,7 @@ def test_a_request_that_fails_every_verifier_gives_up_after_a_few_moves(two_veri
         finally:
             refresher.cancel()
             await verifier.close()
-            await backend.channel.close()
+            await replica.channel.close()
         return verifier, failing, info.value
 
     verifier, failing, error = asyncio.run(go())

@@ -189,18 +189,18 @@ async def test_capacity_counts_come_back_when_opening_a_request_s_sessions_fails
     closed under it) gives back every count it raised: the gateway's active requests (else, at
     max_sessions = 1, the next request would be refused as over capacity) and the replica's load."""
     from gateway.generation import GatewayCore, GatewayLimits, GenerationRequest
-    from gateway.pools import BackendPool
+    from gateway.pools import ReplicaPool
     from specdec.models import load_tokenizer
     from specdec.rpc.server import DEFAULT_MAX_MESSAGE_BYTES
     from specdec.v1 import drafter_pb2_grpc, types_pb2, verifier_pb2
 
-    verifiers = BackendPool("verifier", verifier_pb2_grpc.VerifierStub, DEFAULT_MAX_MESSAGE_BYTES)
-    drafters = BackendPool("drafter", drafter_pb2_grpc.DrafterStub, DEFAULT_MAX_MESSAGE_BYTES)
+    verifiers = ReplicaPool("verifier", verifier_pb2_grpc.VerifierStub, DEFAULT_MAX_MESSAGE_BYTES)
+    drafters = ReplicaPool("drafter", drafter_pb2_grpc.DrafterStub, DEFAULT_MAX_MESSAGE_BYTES)
     verifiers.set_addresses(["127.0.0.1:1"])
-    backend = verifiers.backends[0]
-    backend.info = verifier_pb2.GetVerifierInfoResponse(model=types_pb2.ModelInfo(model="tiny"))  # as if ready
-    backend.ready_epoch = 1
-    await backend.channel.close()
+    replica = verifiers.replicas[0]
+    replica.info = verifier_pb2.GetVerifierInfoResponse(model=types_pb2.ModelInfo(model="tiny"))  # as if ready
+    replica.ready_epoch = 1
+    await replica.channel.close()
     core = GatewayCore(ServiceRuntime("specdec.v1.Gateway", ServeOptions()), load_tokenizer(str(tiny_pair[1])),
                        GatewayLimits(max_sessions=1, verifier_wait_s=0), verifiers, drafters)
     for _ in range(3):
@@ -210,4 +210,4 @@ async def test_capacity_counts_come_back_when_opening_a_request_s_sessions_fails
                 pass
         assert "capacity" not in str(info.value)
         assert core.active == 0 and core.waiting == 0
-        assert backend.in_flight == 0
+        assert replica.in_flight == 0

@@ -423,7 +423,7 @@ def test_a_drafter_s_malformed_q_is_refused_by_the_verifier_and_the_request_goes
     import asyncio
 
     from gateway.migration import MigratingVerifier
-    from gateway.pools import BackendPool
+    from gateway.pools import ReplicaPool
     from specdec.completion import CompletionBuilder
     from specdec.engine import collect, generate
     from specdec.policy import FixedDraftLength
@@ -435,17 +435,17 @@ def test_a_drafter_s_malformed_q_is_refused_by_the_verifier_and_the_request_goes
     params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
 
     async def run(drafter):
-        pool = BackendPool("verifier", verifier_pb2_grpc.VerifierStub, DEFAULT_MAX_MESSAGE_BYTES)
+        pool = ReplicaPool("verifier", verifier_pb2_grpc.VerifierStub, DEFAULT_MAX_MESSAGE_BYTES)
         pool.set_addresses([services[0].address])
         await pool.refresh()
-        backend = pool.backends[0]
-        verifier = MigratingVerifier(pool, backend, f"q-{drafter is None}", [5, 6, 7], params, lambda: None)
+        replica = pool.replicas[0]
+        verifier = MigratingVerifier(pool, replica, f"q-{drafter is None}", [5, 6, 7], params, lambda: None)
         try:
             result = await collect(generate(prompt_tokens=3, completion=CompletionBuilder(tokenizer, params),
                                             verifier=verifier, drafter=drafter, policy=FixedDraftLength(1)))
         finally:
             await verifier.close()
-            await backend.channel.close()
+            await replica.channel.close()
         return result, verifier
 
     buggy = _MalformedQDrafter()
@@ -521,14 +521,14 @@ def test_a_failed_single_session_forward_rolls_its_cache_back(tiny_target, monke
         raise RuntimeError("device lost")
 
     if tiny_target.lean is not None:  # the lean runtime's single-session pass: the last layer's first product fails
-        backend, products = tiny_target.lean.plan.backend(2), []
-        multiply = backend.mm_numpy
+        replica, products = tiny_target.lean.plan.replica(2), []
+        multiply = replica.mm_numpy
 
         def failing(x, handle):
             products.append(x.shape)
             return broken() if len(products) == 4 * last + 1 else multiply(x, handle)
 
-        monkeypatch.setattr(backend, "mm_numpy", failing)
+        monkeypatch.setattr(replica, "mm_numpy", failing)
     else:
         monkeypatch.setattr(tiny_target.model.model.layers[last], "forward", broken)  # the first layers grow
     with pytest.raises(RuntimeError, match="device lost"):
