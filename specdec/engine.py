@@ -387,7 +387,7 @@ async def generate(
             batch = verdict.batch
             beside_probe = shadow is not None and drafted == 0 and shadow.note_round(t1, t2 - t1)
             policy.observe(RoundObservation(drafted, verdict.num_accepted, t1 - t0, t2 - t1,
-                                            batch.size if batch is not None else 0, batch.tokens if batch is not None else 0,
+                                            batch.size if batch is not None else 0, batch.num_tokens if batch is not None else 0,
                                             beside_probe))
             outcome = shadow.outcome(committed) if shadow is not None else None
             if outcome is not None:

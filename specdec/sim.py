@@ -74,8 +74,8 @@ def _step_curve(k: int) -> float:
     return 1.0 + 0.25 * ((k + 1) // 6) + 0.01 * k
 
 
-def default_scenarios(tokens: int = 256) -> list[Scenario]:
-    third = tokens // 3
+def default_scenarios(tokens_per_request: int = 256) -> list[Scenario]:
+    third = tokens_per_request // 3
     return [
         Scenario("high", "alpha 0.9", spans=((0, 0.9),)),
         Scenario("medium", "alpha 0.6", spans=((0, 0.6),)),
@@ -115,17 +115,17 @@ class _Request:
     noise_verify: list[float]
 
 
-def _make_requests(scenario: Scenario, seed: int, num_requests: int, tokens: int, noise: float) -> list[_Request]:
+def _make_requests(scenario: Scenario, seed: int, num_requests: int, tokens_per_request: int, noise: float) -> list[_Request]:
     out = []
     for r in range(num_requests):
         rng = random.Random(f"{seed}/{scenario.name}/{r}")
-        n = tokens + MAX_FIXED_K + 2
+        n = tokens_per_request + MAX_FIXED_K + 2
         ok = [rng.random() < scenario.alpha_at(t) for t in range(n)]
         run = [0] * (n + 1)
         for t in range(n - 1, -1, -1):
             run[t] = run[t + 1] + 1 if ok[t] else 0
-        nd = [math.exp(rng.gauss(0.0, noise)) for _ in range(tokens + 1)]
-        nv = [math.exp(rng.gauss(0.0, noise)) for _ in range(tokens + 1)]
+        nd = [math.exp(rng.gauss(0.0, noise)) for _ in range(tokens_per_request + 1)]
+        nv = [math.exp(rng.gauss(0.0, noise)) for _ in range(tokens_per_request + 1)]
         out.append(_Request(run, nd, nv))
     return out
 
@@ -135,14 +135,14 @@ def _simulate_request(
     fixed_k: int,
     req: _Request,
     sc: Scenario,
-    tokens: int,
+    tokens_per_request: int,
     max_k: int,
     step_s: float,
     prompt_tokens: int,
     k_hist: dict[int, int] | None,
     shadow_probes: bool = False,
 ) -> float:
-    """Simulated seconds to generate ``tokens`` tokens (policy None: fixed ``fixed_k``).
+    """Simulated seconds to generate ``tokens_per_request`` tokens (policy None: fixed ``fixed_k``).
 
     ``shadow_probes``: the policy's probes run as the gateway runs them for greedy requests, beside
     a k = 0 round (the drafter on its own machine: the probe adds no time), scored at the round's
@@ -162,8 +162,8 @@ def _simulate_request(
         # Fast path for fixed k (the same arithmetic, no policy calls).
         verify = [(rtt + sc.verify_steps(k)) * step_s for k in range(fixed_k + 1)]
         run, nv = req.run, req.noise_verify
-        while t < tokens:
-            k = min(fixed_k, max_k, tokens - t - 1)
+        while t < tokens_per_request:
+            k = min(fixed_k, max_k, tokens_per_request - t - 1)
             if k > 0:
                 clock += drafter_call_s(k, unseen, r)
                 unseen = 1
@@ -176,8 +176,8 @@ def _simulate_request(
             r += 1
         return clock
     drafter_open = False
-    while t < tokens:
-        bound = min(max_k, tokens - t - 1)
+    while t < tokens_per_request:
+        bound = min(max_k, tokens_per_request - t - 1)
         k = min(fixed_k, bound) if policy is None else policy.choose(bound)
         shadow = None
         if shadow_probes and policy is not None and k > 0 and policy.probing:
@@ -212,7 +212,7 @@ def _run_policy(
     fixed_k: int,
     requests: Sequence[_Request],
     sc: Scenario,
-    tokens: int,
+    tokens_per_request: int,
     max_k: int,
     step_s: float,
     prompt_tokens: int,
@@ -222,11 +222,11 @@ def _run_policy(
     total = 0.0
     for req in requests:
         policy = make() if make is not None else None
-        total += _simulate_request(policy, fixed_k, req, sc, tokens, max_k, step_s, prompt_tokens, k_hist,
+        total += _simulate_request(policy, fixed_k, req, sc, tokens_per_request, max_k, step_s, prompt_tokens, k_hist,
                                    shadow_probes)
         if policy is not None:
             policy.close()
-    return len(requests) * tokens / total
+    return len(requests) * tokens_per_request / total
 
 
 def run_scenario(
@@ -234,14 +234,14 @@ def run_scenario(
     *,
     seed: int = 0,
     num_requests: int = 20,
-    tokens: int = 256,
+    tokens_per_request: int = 256,
     max_k: int = MAX_FIXED_K,
     target_step_s: float = 0.025,
     noise: float = 0.05,
     prompt_tokens: int = 128,
 ) -> dict:
-    requests = _make_requests(sc, seed, num_requests, tokens, noise)
-    args = (requests, sc, tokens, max_k, target_step_s, prompt_tokens)
+    requests = _make_requests(sc, seed, num_requests, tokens_per_request, noise)
+    args = (requests, sc, tokens_per_request, max_k, target_step_s, prompt_tokens)
     fixed = {k: _run_policy(None, k, *args) for k in range(0, min(MAX_FIXED_K, max_k) + 1)}
     heuristic = _run_policy(lambda: HeuristicDraftLength(max_k=max_k), 0, *args)
     memory = AcceptanceMemory()
@@ -275,7 +275,7 @@ def run_simulation(
     seed: int = 0,
     *,
     num_requests: int = 20,
-    tokens: int = 256,
+    tokens_per_request: int = 256,
     max_k: int = MAX_FIXED_K,
     target_step_s: float = 0.025,
     noise: float = 0.05,
@@ -283,13 +283,13 @@ def run_simulation(
     only: Sequence[str] | None = None,
 ) -> dict:
     """Run every scenario; deterministic for a given seed."""
-    scs = list(scenarios) if scenarios is not None else default_scenarios(tokens)
+    scs = list(scenarios) if scenarios is not None else default_scenarios(tokens_per_request)
     if only:
         scs = [s for s in scs if s.name in set(only)]
     return {
         "seed": seed,
         "num_requests": num_requests,
-        "tokens_per_request": tokens,
+        "tokens_per_request": tokens_per_request,
         "max_k": max_k,
         "target_step_s": target_step_s,
         "scenarios": [
@@ -297,7 +297,7 @@ def run_simulation(
                 s,
                 seed=seed,
                 num_requests=num_requests,
-                tokens=tokens,
+                tokens_per_request=tokens_per_request,
                 max_k=max_k,
                 target_step_s=target_step_s,
                 noise=noise,
@@ -344,7 +344,7 @@ def run_from_args(args: argparse.Namespace) -> dict:
     return run_simulation(
         seed=args.seed,
         num_requests=args.requests,
-        tokens=args.tokens,
+        tokens_per_request=args.tokens,
         max_k=args.max_k,
         noise=args.noise,
         only=args.scenario,

@@ -47,8 +47,8 @@ class SplitCosts:
     def verify(self, k: int) -> float:
         return extend_curve(self.verify_s, k)
 
-    def draft(self, tokens: int) -> float:
-        return self.draft_overhead_s + self.draft_token_s * tokens if tokens > 0 else 0.0
+    def draft(self, num_tokens: int) -> float:
+        return self.draft_overhead_s + self.draft_token_s * num_tokens if num_tokens > 0 else 0.0
 
 
 def round_time(costs: SplitCosts, k: int, one_way_s: float, alpha: float, ahead: bool) -> float:

@@ -157,7 +157,7 @@ class BatchInfo:
     """How a job was served: the pass it rode in and its wait for it."""
 
     size: int  # jobs in the pass
-    tokens: int  # tokens the pass fed (the jobs' sizes, padding excluded)
+    num_tokens: int  # tokens the pass fed (the jobs' sizes, padding excluded)
     queue_wait_s: float  # from submit to the pass starting
     pass_s: float = 0.0  # the pass itself: the forward over every job's tokens, then each job's acceptance
 

@@ -175,9 +175,9 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
             return None
         return asyncio.ensure_future(self._batched(PendingForward(session), 1))
 
-    async def _verify(self, session: TargetSession, proposal: DraftProposal, tokens: int) -> Verdict:
+    async def _verify(self, session: TargetSession, proposal: DraftProposal, num_tokens: int) -> Verdict:
         """Verify in a batched pass with other sessions' pending messages (prefill: empty proposal)."""
-        verdict, info = await self._batched((session, proposal), tokens)
+        verdict, info = await self._batched((session, proposal), num_tokens)
         return dataclasses.replace(verdict, batch=info)
 
     def _run_batch(self, jobs: list[VerifyJob]) -> list:
@@ -234,7 +234,7 @@ async def _settle(ahead: asyncio.Task | None) -> BatchInfo | None:
         _, info = await ahead
     except Exception:  # noqa: BLE001 - the verification redoes what the pass did not
         return None
-    return BatchInfo(info.size, info.tokens, 0.0, min(info.pass_s, time.perf_counter() - started))
+    return BatchInfo(info.size, info.num_tokens, 0.0, min(info.pass_s, time.perf_counter() - started))
 
 
 def _feature_attributes(verdict: Verdict) -> dict:

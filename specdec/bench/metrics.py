@@ -59,11 +59,11 @@ def distribution(values: Sequence[float]) -> dict:
     }
 
 
-def tpot(latency_s: float, ttft_s: float, tokens: int) -> float | None:
-    """Time per output token after the first: (latency - TTFT) / (tokens - 1)."""
-    if tokens < 2 or latency_s is None or ttft_s is None:
+def tpot(latency_s: float, ttft_s: float, num_tokens: int) -> float | None:
+    """Time per output token after the first: (latency - TTFT) / (num_tokens - 1)."""
+    if num_tokens < 2 or latency_s is None or ttft_s is None:
         return None
-    return (latency_s - ttft_s) / (tokens - 1)
+    return (latency_s - ttft_s) / (num_tokens - 1)
 
 
 def itl_per_token(chunk_offsets_s: Sequence[float], chunk_tokens: Sequence[int]) -> list[float]:

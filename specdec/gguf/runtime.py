@@ -80,9 +80,9 @@ class GgufKV:
         self.length = 0
         self._finalizer = weakref.finalize(self, model._release, seq_id)
 
-    def crop(self, tokens: int) -> None:
-        """Negative: drop that many trailing positions; otherwise keep the first ``tokens`` (``LeanKV.crop``)."""
-        keep = self.length + tokens if tokens < 0 else tokens
+    def crop(self, tokens_to_remove: int) -> None:
+        """Negative: drop that many trailing positions; otherwise keep that many (``LeanKV.crop``)."""
+        keep = self.length + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
         keep = max(0, min(self.length, keep))
         if keep < self.length:
             self.model.remove(self.seq_id, keep)

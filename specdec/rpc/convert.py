@@ -130,7 +130,7 @@ def verdict_fields(verdict: Verdict) -> dict:
         "committed_length": verdict.committed_length,
     }
     if verdict.batch is not None:
-        fields.update(batch_size=verdict.batch.size, batch_tokens=verdict.batch.tokens,
+        fields.update(batch_size=verdict.batch.size, batch_tokens=verdict.batch.num_tokens,
                       queue_wait_us=int(verdict.batch.queue_wait_s * 1e6), pass_time_us=int(verdict.batch.pass_s * 1e6))
     if verdict.features is not None:
         fields["features"] = features_to_pb(verdict.features)

@@ -42,7 +42,7 @@ class BatchingOptions:
 @dataclass
 class _Pending:
     job: object
-    tokens: int
+    num_tokens: int
     future: asyncio.Future
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -74,21 +74,21 @@ class BatchScheduler:
         self.max_wait_s = options.max_wait_s
         self.max_wait_fraction = options.max_wait_fraction
         self.recent_pass_s = 0.0  # moving average of pass times
-        self.on_pass = on_pass  # (size, tokens, seconds) after each pass: metrics
+        self.on_pass = on_pass  # (size, num_tokens, seconds) after each pass: metrics
         self.expected = expected or (lambda: 1)  # sessions that may send work (open sessions)
         self._pending: deque[_Pending] = deque()
         self._wakeup: asyncio.Event | None = None
         self._arrived: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
 
-    async def submit(self, job, tokens: int):
+    async def submit(self, job, num_tokens: int):
         """Run ``job`` in a pass; returns ``(result, BatchInfo)`` or raises the job's exception."""
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done():
             self._wakeup = asyncio.Event()
             self._arrived = asyncio.Event()
             self._task = loop.create_task(self._serve(), name="batch-scheduler")
-        entry = _Pending(job, tokens, loop.create_future())
+        entry = _Pending(job, num_tokens, loop.create_future())
         self._pending.append(entry)
         self._wakeup.set()
         self._arrived.set()
@@ -113,7 +113,7 @@ class BatchScheduler:
         deadline = loop.time() + self.wait_bound_s
         while True:
             live = [e for e in self._pending if not e.future.done()]
-            if not live or live[0].tokens > self.max_row_tokens:
+            if not live or live[0].num_tokens > self.max_row_tokens:
                 return
             if len(live) >= min(self.expected(), self.max_batch_size):
                 return
@@ -132,19 +132,19 @@ class BatchScheduler:
         if not self._pending:
             return []
         first = self._pending.popleft()
-        batch, tokens = [first], first.tokens
-        if first.tokens > self.max_row_tokens:
+        batch, batch_tokens = [first], first.num_tokens
+        if first.num_tokens > self.max_row_tokens:
             return batch
         kept: deque[_Pending] = deque()
         while self._pending and len(batch) < self.max_batch_size:
             entry = self._pending.popleft()
             if entry.future.done():
                 continue
-            if entry.tokens > self.max_row_tokens or tokens + entry.tokens > self.max_batch_tokens:
+            if entry.num_tokens > self.max_row_tokens or batch_tokens + entry.num_tokens > self.max_batch_tokens:
                 kept.append(entry)  # waits, in order, for a later pass
                 continue
             batch.append(entry)
-            tokens += entry.tokens
+            batch_tokens += entry.num_tokens
         kept.extend(self._pending)
         self._pending = kept
         return batch
@@ -172,14 +172,14 @@ class BatchScheduler:
                 results = [exc] * len(batch)
             pass_s = time.perf_counter() - started
             self.recent_pass_s = pass_s if self.recent_pass_s == 0.0 else 0.8 * self.recent_pass_s + 0.2 * pass_s
-            tokens = sum(e.tokens for e in batch)
+            batch_tokens = sum(e.num_tokens for e in batch)
             if self.on_pass is not None:
-                self.on_pass(len(batch), tokens, pass_s)
+                self.on_pass(len(batch), batch_tokens, pass_s)
             for entry, result in zip(batch, results, strict=True):
                 if entry.future.done():
                     continue
                 if isinstance(result, BaseException):
                     entry.future.set_exception(result)
                 else:
-                    info = BatchInfo(len(batch), tokens, started - entry.submitted, pass_s)
+                    info = BatchInfo(len(batch), batch_tokens, started - entry.submitted, pass_s)
                     entry.future.set_result((result, info))

@@ -173,13 +173,13 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 class ServiceAuthInterceptor(grpc.aio.ServerInterceptor):
     """Drafters and verifiers: refuse calls that are not from a gateway.
 
-    ``tokens``: a call must carry one in ``x-specdec-service-token`` (UNAUTHENTICATED otherwise).
+    ``service_tokens``: a call must carry one in ``x-specdec-service-token`` (UNAUTHENTICATED otherwise).
     ``allowed_peers``: the client certificate (mTLS) must name one of these in its subject
     alternative names or common name (PERMISSION_DENIED otherwise). Health and reflection stay open.
     """
 
-    def __init__(self, tokens: list[bytes] | tuple[bytes, ...] = (), allowed_peers: tuple[str, ...] = ()) -> None:
-        self.tokens = list(tokens)
+    def __init__(self, service_tokens: list[bytes] | tuple[bytes, ...] = (), allowed_peers: tuple[str, ...] = ()) -> None:
+        self.service_tokens = list(service_tokens)
         self.allowed_peers = frozenset(allowed_peers)
         self._refusals = _RefusalLog()
 
@@ -188,7 +188,8 @@ class ServiceAuthInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or method.startswith(UNAUTHENTICATED_METHODS):
             return handler
-        if self.tokens and not key_is_valid(presented_service_token(handler_call_details.invocation_metadata), self.tokens):
+        if self.service_tokens and not key_is_valid(presented_service_token(handler_call_details.invocation_metadata),
+                                                   self.service_tokens):
             return _deny_handler(handler, grpc.StatusCode.UNAUTHENTICATED,
                                  f"missing or invalid service token ({SERVICE_TOKEN_HEADER}): this service takes "
                                  "calls from a specdec gateway only", self._refusals, method)

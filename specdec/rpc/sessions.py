@@ -163,9 +163,9 @@ class ModelWorkerService:
         gguf = getattr(getattr(self, "lm", None), "gguf", None)
         return gguf.context.threads if gguf is not None else await self._run(torch.get_num_threads)
 
-    async def _batched(self, job, tokens: int):
+    async def _batched(self, job, num_tokens: int):
         """``(result, BatchInfo)`` of ``job`` served in a batched pass with other sessions' jobs."""
-        result, info = await self.batcher.submit(job, tokens)
+        result, info = await self.batcher.submit(job, num_tokens)
         self.metrics.batch_queue_wait_seconds.observe(info.queue_wait_s)
         return result, info
 
@@ -173,6 +173,6 @@ class ModelWorkerService:
         """One pass over ``jobs`` (on the model thread): one result or exception per job."""
         raise NotImplementedError
 
-    def _observe_pass(self, size: int, tokens: int, seconds: float) -> None:
+    def _observe_pass(self, size: int, num_tokens: int, seconds: float) -> None:
         self.metrics.batch_size.observe(size)
         self.metrics.batch_pass_seconds.observe(seconds)
