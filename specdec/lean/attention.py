@@ -85,14 +85,16 @@ class NumpyKernel:
         return np.triu(np.full((end - first, past + end), -np.inf, dtype=np.float32), past + first + 1)
 
     def __call__(self, query: np.ndarray, keys: np.ndarray, values: np.ndarray, bias) -> np.ndarray:
-        scores = np.matmul(query, keys[:, None].swapaxes(-1, -2))
-        scores *= self.scale
+        # The scale goes on the queries and the softmax's division on the output: [rows, dim] per
+        # head each instead of [rows, keys] (as flash attention does).
+        scores = np.matmul(query * self.scale, keys[:, None].swapaxes(-1, -2))
         if bias is not None:
             scores += bias
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
-        scores /= scores.sum(axis=-1, keepdims=True)
-        return np.matmul(scores, values[:, None])
+        out = np.matmul(scores, values[:, None])
+        out /= scores.sum(axis=-1, keepdims=True)
+        return out
 
 
 def _rows_first(out, xp, rows: int):
