@@ -6,8 +6,8 @@ and builds the causal mask it consumes (``causal``):
 
 - ``SdpaKernel``: torch's SDPA with the groups folded into the query length; its kernels (flash on
   CPU, memory-efficient on CUDA) never hold the scores, but the bool mask is [G x rows, S];
-- ``WrittenKernel``: torch, softmax written out (torch's CPU SDPA took ~7 ms a call with a mask
-  at one query row, 30x the products around it): the static passes on CPU;
+- ``WrittenKernel``: torch, softmax written out (torch's CPU SDPA with a mask costs far more than
+  the products around it at a few query rows): the static passes on CPU;
 - ``NumpyKernel``: numpy, an additive -inf bias [rows, S]: the numpy pass.
 
 A cache layout writes a pass's new keys/values where it keeps them and attends over them:

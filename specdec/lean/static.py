@@ -125,8 +125,7 @@ class StaticPasses:
         positions = torch.arange(pool.slot_tokens, device=model.device).float()
         cos, sin = rope_tables(positions, model._inv_freq, model.w.rope_scale)
         self._cos, self._sin = cos.to(model.dtype), sin.to(model.dtype)
-        # SDPA on a GPU; on CPU written out (torch's CPU kernel took ~7 ms a call with a mask at one
-        # query row, 30x the products it sits between).
+        # SDPA on a GPU; on CPU written out (``attention.WrittenKernel`` says why).
         kernel = attention.SdpaKernel if model.device.type != "cpu" else attention.WrittenKernel
         self._kernel = kernel(model.groups, model.scaling, model.device)
 
