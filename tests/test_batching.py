@@ -92,14 +92,16 @@ def test_a_failed_pass_leaves_every_session_consistent(tiny_target, monkeypatch)
 
         monkeypatch.setattr(static, "_body", failing_body)
     elif tiny_target.lean is not None:  # the lean runtime: its second layer's attention fails
-        attention = tiny_target.lean._attention
+        from specdec.lean import attention
 
-        def failing(*args):
-            if args[-1] == 1:
+        ragged = attention.attend_ragged
+
+        def failing(q_and_k, v, kvs, index, *rest):
+            if index == 1:
                 raise RuntimeError("out of memory")
-            return attention(*args)
+            return ragged(q_and_k, v, kvs, index, *rest)
 
-        monkeypatch.setattr(tiny_target.lean, "_attention", failing)
+        monkeypatch.setattr(attention, "attend_ragged", failing)
     else:
         def broken(*args, **kwargs):
             raise RuntimeError("out of memory")

@@ -42,6 +42,8 @@ def built_hf(kind: str):
                   num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2)
     if kind == "qwen2":
         config = Qwen2Config(**common, tie_word_embeddings=False, use_sliding_window=False)
+    elif kind == "llama-gqa":  # untied, grouped-query heads, default RoPE (the EAGLE head's kind of target)
+        config = LlamaConfig(**common, tie_word_embeddings=False)
     else:  # llama with tied embeddings, no GQA, llama3 RoPE scaling
         common.update(num_key_value_heads=4)
         config = LlamaConfig(**common, tie_word_embeddings=True, rope_parameters={
@@ -233,14 +235,16 @@ def test_a_failed_pass_leaves_every_session_unchanged(tiny_hf, monkeypatch):
     sequences = [[rng.randrange(300) for _ in range(n)] for n in (4, 11, 7)]
     kvs = [lean.new_kv() for _ in sequences]
     lean.forward(kvs, sequences, [1, 1, 1])
-    original = LeanModel._attention
+    from specdec.lean import attention
 
-    def failing(self, *args):
-        if args[-1] == 1:  # the second layer, after the first wrote every session's new keys
+    original = attention.attend_ragged
+
+    def failing(q_and_k, v, kvs, index, *rest):
+        if index == 1:  # the second layer, after the first wrote every session's new keys
             raise RuntimeError("out of memory")
-        return original(self, *args)
+        return original(q_and_k, v, kvs, index, *rest)
 
-    monkeypatch.setattr(LeanModel, "_attention", failing)
+    monkeypatch.setattr(attention, "attend_ragged", failing)
     with pytest.raises(RuntimeError, match="out of memory"):
         lean.forward(kvs, [[1, 2]] * 3, [2, 2, 2])
     monkeypatch.undo()
@@ -452,7 +456,7 @@ def test_the_thread_regime_hands_torchs_threads_to_openblas_and_back():
 
 
 class _LargestScores:
-    """numpy as ``specdec.lean.numpy_pass`` sees it, noting the largest 4-d product (the attention
+    """numpy as ``specdec.lean.attention`` sees it, noting the largest 4-d product (the attention
     scores [kv_heads, groups, rows, keys]; the other 4-d product, scores times values, is smaller)."""
 
     def __init__(self, numpy) -> None:
@@ -474,7 +478,7 @@ def test_a_long_prefill_attends_in_blocks_of_bounded_scores(path, tiny_hf, monke
     same logits and keys/values as in one block (and transformers'), and the largest scores array
     (numpy pass) or SDPA mask (torch forward) stays within the one budget at two lengths, where one
     block's grows with the square of the length."""
-    from specdec.lean import numpy_pass
+    from specdec.lean import attention
 
     heads = tiny_hf.config.num_attention_heads
     groups = heads // tiny_hf.config.num_key_value_heads
@@ -492,8 +496,8 @@ def test_a_long_prefill_attends_in_blocks_of_bounded_scores(path, tiny_hf, monke
 
     largest = []
     if path == "numpy":
-        recorder = _LargestScores(numpy_pass.np)
-        monkeypatch.setattr(numpy_pass, "np", recorder)
+        recorder = _LargestScores(attention.np)
+        monkeypatch.setattr(attention, "np", recorder)
     else:
         original_sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -508,12 +512,12 @@ def test_a_long_prefill_attends_in_blocks_of_bounded_scores(path, tiny_hf, monke
         return recorder.largest if path == "numpy" else max(largest)
 
     def reset(budget: int) -> None:
-        monkeypatch.setattr(numpy_pass, "SCORE_BYTES", budget)
+        monkeypatch.setattr(attention, "SCORE_BYTES", budget)
         if path == "numpy":
             recorder.largest = 0
         largest.clear()
 
-    default = numpy_pass.SCORE_BYTES
+    default = attention.SCORE_BYTES
     lengths = (150, 300)
     # One budget for both lengths: 7 query rows per block at the longer, 14 at the other (last blocks shorter).
     budget = 7 * max(lengths) * (heads * 4 if path == "numpy" else groups * 5)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.lean.layer import LayerParams, LayerShape, decoder_layer, rope_tables
 from specdec.lm import HEAD_TOKEN_IDS_FILE, LoadedModel
 
 HEAD_FORMAT = "specdec-eagle-head"
@@ -120,11 +121,6 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Attention(nn.Module):
     """The projections of one Llama attention block (names as transformers', so weights load 1:1)."""
 
@@ -138,14 +134,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """The projections of one Llama MLP (the body is ``specdec.lean.layer.decoder_layer``'s)."""
+
     def __init__(self, c: HeadConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 # attend(q [B, nh, N, d], k [B, kvh, N, d], v [B, kvh, N, d]) -> [B, nh, N, d]
@@ -158,23 +153,37 @@ class DecoderLayer(nn.Module):
     def __init__(self, c: HeadConfig) -> None:
         super().__init__()
         self.c = c
+        self.shape = LayerShape(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size,
+                                c.rms_norm_eps)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c)
         self.mlp = MLP(c)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """``x`` [B, N, H]; ``cos``/``sin`` [N, 1, d] (``EagleHead.rope``)."""
         batch, n, _ = x.shape
-        c, a = self.c, self.self_attn
-        h = self.input_layernorm(x)
-        q = a.q_proj(h).view(batch, n, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = a.k_proj(h).view(batch, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = a.v_proj(h).view(batch, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        out = attend(q, k, v).transpose(1, 2).reshape(batch, n, -1)
-        x = x + a.o_proj(out)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        a, heads = self.self_attn, self.c.num_attention_heads
+
+        def attend_heads(q_and_k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            q, k = q_and_k[:, :, :heads].transpose(1, 2), q_and_k[:, :, heads:].transpose(1, 2)
+            return attend(q, k, v.transpose(1, 2)).transpose(1, 2).reshape(batch, n, -1)
+
+        params = LayerParams(self.input_layernorm.weight, self._qkv, None, a.o_proj,
+                             self.post_attention_layernorm.weight, self._gate_up, self.mlp.down_proj)
+        return decoder_layer(x, params, self.shape, _apply, attend_heads, cos, sin)
+
+    def _qkv(self, h: torch.Tensor) -> torch.Tensor:
+        a = self.self_attn
+        return torch.cat((a.q_proj(h), a.k_proj(h), a.v_proj(h)), -1)
+
+    def _gate_up(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.cat((self.mlp.gate_proj(h), self.mlp.up_proj(h)), -1)
+
+
+def _apply(h: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The layer body's ``mm`` for modules: the product is the module (or function) itself."""
+    return product(h)
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -315,9 +324,9 @@ class EagleHead(nn.Module):
 
     # -- the computation -------------------------------------------------------------------------
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        """The layer's RoPE tables (cos, signed sin) [N, 1, d] for ``positions`` [N]."""
+        cos, sin = rope_tables(positions.float(), self.inv_freq, 1.0)
+        return cos[:, None], sin[:, None]
 
     @torch.no_grad()
     def calibrate(self, features: torch.Tensor) -> float:

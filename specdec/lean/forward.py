@@ -5,37 +5,29 @@ where a small op costs ~1 us instead of torch's ~5-30); what follows is the torc
 runs passes of several sessions and every pass on a GPU.
 
 One pass packs every session's new tokens into one sequence of T rows (each at its own
-positions): embedding, then per layer RMSNorm -> fused QKV product -> RoPE on q and k together ->
-the new keys/values written into each session's ``LeanKV`` -> one attention call -> O product ->
-RMSNorm -> fused gate/up product -> SiLU * up -> down product, then the final norm and the LM head
-over only the rows whose logits are wanted. The products go through the backend the load-time
-table picked for T rows (``specdec.lean.matmul``). RoPE tables and the attention mask are built
-once per pass.
-
-Attention is one SDPA call per layer. Grouped-query heads are folded into the query length (the
-G query heads sharing a key/value head become G x T queries of it), so keys and values are never
-repeated. One session: its keys/values are views of its buffer (no copy), with a causal mask only
-when it feeds more than one token. Several sessions: their keys/values are concatenated and a
-block mask (each row sees its own session's prefix and its own fed tokens up to itself) keeps
-the sessions apart.
-
-SDPA's kernels (flash on CPU, memory-efficient on CUDA) never hold the [T, S] scores, but the mask
-is [G x T, S] (and SDPA converts it to a float bias of that size): one session's long prefill
-attends over blocks of query rows (``query_block_rows``), each with its own mask, so that memory
-stays bounded as in ``NumpyPass``.
+positions): embedding, then the one layer body (``specdec.lean.layer.decoder_layer``) per layer,
+then the final norm and the LM head over only the rows whose logits are wanted. The products go
+through the backend the load-time table picked for T rows (``specdec.lean.matmul``). RoPE tables
+and the attention mask are built once per pass. One session attends over views of its buffer
+(``attention.attend_session``, long prefills in query blocks); several sessions over their
+concatenated keys/values with a block mask (``attention.attend_ragged``). Which path runs when:
+the table in ``specdec.lean.layer``.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
+from specdec.lean import attention
 from specdec.lean.kv import LeanKV
+from specdec.lean.layer import TORCH, LayerParams, LayerShape, bind_layers, decoder_layer, rope_tables
 from specdec.lean.matmul import BUCKETS, Linear, MatmulPlan
-from specdec.lean.numpy_pass import NumpyPass, query_block_rows
+from specdec.lean.numpy_pass import NumpyPass
 from specdec.lean.static import SlotPool, StaticPasses
 from specdec.lean.weights import LeanWeights
 
@@ -54,8 +46,10 @@ class LeanModel:
         self.w = weights
         self.device = torch.device(device)
         self.dtype = weights.embed.dtype
-        self.groups = weights.heads // weights.kv_heads
+        self.shape = LayerShape.of(weights)
+        self.groups = self.shape.groups
         self.scaling = weights.head_dim ** -0.5
+        self.kernel = attention.SdpaKernel(self.groups, self.scaling, self.device)
         self.layers = [(layer, Linear(layer.qkv), Linear(layer.o), Linear(layer.gate_up), Linear(layer.down))
                        for layer in weights.layers]
         self.head = Linear(weights.head)
@@ -64,6 +58,7 @@ class LeanModel:
         self.plan = MatmulPlan(linears, self.device, backend=backend, buckets=buckets, reps=reps,
                                timed=self._timed_subset(timed_bytes), table_dir=table_dir)
         self._inv_freq = weights.inv_freq.to(self.device)
+        self._bound: dict[str, list[LayerParams]] = {}  # backend name -> the layers' LayerParams
         # On CPU a single session's pass keeps its activations in numpy (numpy_pass: per-op cost).
         self.numpy_pass = (NumpyPass(weights, self.layers, self.head)
                            if self.device.type == "cpu" and self.dtype == torch.float32 else None)
@@ -159,28 +154,16 @@ class LeanModel:
         positions = torch.cat([torch.arange(p, p + n) for p, n in zip(pasts, fed)]).to(device)
         for kv, p, n in zip(kvs, pasts, fed):
             kv.reserve(p + n)
-        freqs = positions[:, None].float() * self._inv_freq[None]
-        cos, sin = freqs.cos()[:, None], freqs.sin()[:, None]  # [T, 1, head_dim / 2]
-        if w.rope_scale != 1.0:
-            cos, sin = cos * w.rope_scale, sin * w.rope_scale
-        # RoPE as x * [cos, cos] + [second half, first half] * [-sin, sin]: three ops per layer.
-        cos, sin = torch.cat((cos, cos), dim=-1).to(self.dtype), torch.cat((-sin, sin), dim=-1).to(self.dtype)
-        block = self._query_block(pasts, fed)
-        mask = self._mask(pasts, fed, starts) if block is None else None
+        cos, sin = rope_tables(positions.float(), self._inv_freq, w.rope_scale)
+        cos, sin = cos[:, None].to(self.dtype), sin[:, None].to(self.dtype)  # [T, 1, head_dim]
+        attend = self._session_attention(kvs[0], pasts[0], fed[0]) if len(kvs) == 1 else \
+            self._ragged_attention(kvs, pasts, fed, starts)
         backend = self.plan.backend(total)
+        params = self._bound_layers(backend.name)
         with self.plan.regime(backend):
             x = F.embedding(ids, w.embed)
-            for index, (layer, qkv_w, o_w, gate_up_w, down_w) in enumerate(self.layers):
-                h = F.rms_norm(x, (w.hidden,), layer.input_norm, w.eps)
-                qkv = backend.mm(h, qkv_w.handles[backend.name])
-                if layer.qkv_bias is not None:
-                    qkv = qkv + layer.qkv_bias
-                attn = self._attention(qkv, cos, sin, mask, kvs, pasts, fed, starts, block, index)
-                x = x + backend.mm(attn, o_w.handles[backend.name])
-                h = F.rms_norm(x, (w.hidden,), layer.post_norm, w.eps)
-                gate_up = backend.mm(h, gate_up_w.handles[backend.name])
-                act = F.silu(gate_up[:, : w.intermediate]).mul_(gate_up[:, w.intermediate :])
-                x = x + backend.mm(act, down_w.handles[backend.name])
+            for index, p in enumerate(params):
+                x = decoder_layer(x, p, self.shape, backend.mm, partial(attend, index=index), cos, sin)
             if self.feature_sink is not None:
                 self.feature_sink(x.float().cpu())
             rows = x[torch.tensor(keep, device=device)] if len(keep) < total else x
@@ -208,67 +191,25 @@ class LeanModel:
         full[:, self.head_ids] = logits
         return full
 
-    def _query_block(self, pasts, fed) -> int | None:
-        """Query rows per attention block of a single session whose mask (bool, then SDPA's float bias)
-        would pass the budget; None: the pass attends in one call."""
-        if len(fed) > 1:
-            return None
-        rows = query_block_rows(self.groups, pasts[0] + fed[0], entry_bytes=1 + self.dtype.itemsize)
-        return rows if rows < fed[0] else None
+    def _bound_layers(self, backend_name: str) -> list[LayerParams]:
+        params = self._bound.get(backend_name)
+        if params is None:
+            params = self._bound[backend_name] = bind_layers(self.layers, backend_name, TORCH)
+        return params
 
-    def _mask(self, pasts, fed, starts) -> torch.Tensor | None:
-        """Bool [G * T, S] (True: attend), rows ordered (group, token); None when every row sees
-        every key (one session feeding one token)."""
-        total = sum(fed)
-        if len(fed) == 1:
-            return self._causal_mask(pasts[0], 0, fed[0])
-        mask = torch.zeros((total, sum(pasts) + total), dtype=torch.bool, device=self.device)
-        column = 0
-        for p, n, start in zip(pasts, fed, starts):
-            mask[start : start + n, column : column + p + n] = torch.ones(
-                (n, p + n), dtype=torch.bool, device=self.device).tril(p)
-            column += p + n
-        return mask.repeat(self.groups, 1) if self.groups > 1 else mask
+    def _session_attention(self, kv: LeanKV, past: int, count: int) -> Callable:
+        """``attend(q_and_k, v, index)`` for a pass of one session: views of its buffers; a long
+        prefill attends in blocks of query rows whose mask (bool, then SDPA's float bias) stays
+        within the budget."""
+        kernel, heads = self.kernel, self.w.heads
+        block = attention.query_block_rows(self.groups, past + count, entry_bytes=1 + self.dtype.itemsize)
+        mask = kernel.causal(past, 0, count) if block >= count else None
+        return lambda q_and_k, v, index: attention.attend_session(
+            q_and_k, v, kv.keys[index], kv.values[index], past, heads, kernel, TORCH, block, mask)
 
-    def _causal_mask(self, past: int, first: int, end: int) -> torch.Tensor | None:
-        """Bool [G * (end - first), past + end]: one session's fed rows first .. end - 1, row t seeing
-        positions up to past + t; None for one row, which sees them all."""
-        if end - first == 1:
-            return None
-        mask = torch.ones((end - first, past + end), dtype=torch.bool, device=self.device).tril(past + first)
-        return mask.repeat(self.groups, 1) if self.groups > 1 else mask
-
-    def _attention(self, qkv, cos, sin, mask, kvs, pasts, fed, starts, block: int | None, index: int) -> torch.Tensor:
-        w = self.w
-        total, dim, kv_heads = qkv.shape[0], w.head_dim, w.kv_heads
-        q_and_k = qkv[:, : w.q_width + w.kv_width].view(total, w.heads + kv_heads, dim)
-        half = dim // 2
-        swapped = torch.cat((q_and_k[..., half:], q_and_k[..., :half]), dim=-1)
-        rotated = torch.addcmul(q_and_k * cos, swapped, sin)
-        q, k = rotated[:, : w.heads], rotated[:, w.heads :]
-        v = qkv[:, w.q_width + w.kv_width :].view(total, kv_heads, dim)
-        keys, values = [], []
-        for kv, p, n, start in zip(kvs, pasts, fed, starts):
-            kv.keys[index, :, p : p + n] = k[start : start + n].transpose(0, 1)
-            kv.values[index, :, p : p + n] = v[start : start + n].transpose(0, 1)
-            keys.append(kv.keys[index, :, : p + n])
-            values.append(kv.values[index, :, : p + n])
-        if len(kvs) == 1:
-            key, value = keys[0], values[0]
-        else:
-            key, value = torch.cat(keys, dim=1), torch.cat(values, dim=1)
-        if block is None:
-            return self._attend(q, key, value, mask)
-        past = pasts[0]  # one session's long pass: a block's rows see no position past its last row's
-        return torch.cat([self._attend(q[first:end], key[:, : past + end], value[:, : past + end],
-                                       self._causal_mask(past, first, end))
-                          for first, end in ((f, min(f + block, total)) for f in range(0, total, block))])
-
-    def _attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """One SDPA call: rows ``q`` [rows, heads, dim] over ``key``/``value`` [kv_heads, S, dim]: [rows, q_width]."""
-        w = self.w
-        rows, dim, kv_heads, groups = q.shape[0], w.head_dim, w.kv_heads, self.groups
-        # Query head j * G + g shares key/value head j: fold the G heads into the query length.
-        query = q.reshape(rows, kv_heads, groups, dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * rows, dim)
-        out = F.scaled_dot_product_attention(query[None], key[None], value[None], attn_mask=mask, scale=self.scaling)
-        return out[0].view(kv_heads, groups, rows, dim).permute(2, 0, 1, 3).reshape(rows, w.q_width)
+    def _ragged_attention(self, kvs, pasts, fed, starts) -> Callable:
+        """``attend(q_and_k, v, index)`` for a pass of several sessions (one block mask per pass)."""
+        kernel, heads = self.kernel, self.w.heads
+        mask = attention.ragged_mask(pasts, fed, starts, self.groups, self.device)
+        return lambda q_and_k, v, index: attention.attend_ragged(
+            q_and_k, v, kvs, index, pasts, fed, starts, heads, kernel, mask)

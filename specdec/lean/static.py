@@ -42,7 +42,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specdec.lean import attention
 from specdec.lean.kv import LeanKV
+from specdec.lean.layer import decoder_layer, rope_tables
 from specdec.lean.matmul import smallest_bucket
 
 log = logging.getLogger(__name__)
@@ -119,16 +121,13 @@ class StaticPasses:
         self.graphs = graphs
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if graphs else None
-        w = model.w
-        positions = torch.arange(pool.slot_tokens, device=model.device)
-        freqs = positions[:, None].float() * model._inv_freq[None]
-        cos, sin = freqs.cos(), freqs.sin()
-        if w.rope_scale != 1.0:
-            cos, sin = cos * w.rope_scale, sin * w.rope_scale
-        # The eager forward's RoPE tables, for every position a slot has (gathered by position in a pass).
-        self._cos = torch.cat((cos, cos), dim=-1).to(model.dtype)
-        self._sin = torch.cat((-sin, sin), dim=-1).to(model.dtype)
-        self._key_index = torch.arange(pool.slot_tokens, device=model.device)
+        # The RoPE tables of every position a slot has (gathered by position in a pass).
+        positions = torch.arange(pool.slot_tokens, device=model.device).float()
+        cos, sin = rope_tables(positions, model._inv_freq, model.w.rope_scale)
+        self._cos, self._sin = cos.to(model.dtype), sin.to(model.dtype)
+        # SDPA on a GPU; on CPU written out (``attention.WrittenKernel`` says why).
+        kernel = attention.SdpaKernel if model.device.type != "cpu" else attention.WrittenKernel
+        self._kernel = kernel(model.groups, model.scaling, model.device)
 
     def forget_graphs(self) -> None:
         """Drop every bucket (and its graph): the next passes rebuild them (after the weights changed)."""
@@ -239,53 +238,25 @@ class StaticPasses:
         b.graph = graph
         log.info("captured a CUDA graph for %d session(s) x %d token(s)", *b.ids.shape)
 
-    def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """SDPA with the boolean mask; on CPU written out (torch's CPU kernel took ~7 ms a call with
-        a mask at one query row, 30x the products it sits between)."""
-        if query.device.type != "cpu":
-            return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self.model.scaling)
-        scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(self.model.scaling).masked_fill_(~mask, -torch.inf)
-        return torch.matmul(torch.softmax(scores, dim=-1), values)
-
     def _body(self, b: _Bucket, backend=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pass on ``b``'s inputs, rows flattened to [B x T, ...] for the products; only
-        fixed-shape ops on fixed tensors (capturable). ``backend``: the product backend (None: torch's)."""
+        """The pass on ``b``'s inputs, rows flattened to [B x T, ...]; only fixed-shape ops on fixed
+        tensors (capturable). ``backend``: the product backend (None: torch's)."""
         m, w = self.model, self.model.w
         sessions, tokens = b.ids.shape
-        rows = sessions * tokens
-
-        def mm(x: torch.Tensor, linear) -> torch.Tensor:
-            return F.linear(x, linear.weight) if backend is None else backend.mm(x, linear.handles[backend.name])
-
-        groups, dim, kv_heads = m.groups, w.head_dim, w.kv_heads
-        cos, sin = self._cos[b.positions][:, :, None], self._sin[b.positions][:, :, None]  # [B, T, 1, dim]
-        # Row (b, t) sees keys 0..positions[b, t] of its own slot; rows ordered (group, token) as the queries.
-        mask = self._key_index[None, None, :] <= b.positions[:, :, None]  # [B, T, S]
-        mask = mask[:, None, None].expand(sessions, 1, groups, tokens, mask.shape[-1]).reshape(sessions, 1, groups * tokens, -1)
+        name = "torch" if backend is None else backend.name
+        mm = F.linear if backend is None else backend.mm
+        cos, sin = self._cos[b.positions].view(sessions * tokens, 1, -1), self._sin[b.positions].view(sessions * tokens, 1, -1)
+        mask = attention.slot_mask(b.positions, self.pool.slot_tokens, m.groups)
         slot_rows = b.slots[:, None].expand(sessions, tokens)
-        x = F.embedding(b.ids.view(rows), w.embed)
-        half = dim // 2
-        for index, (layer, qkv_w, o_w, gate_up_w, down_w) in enumerate(m.layers):
-            h = F.rms_norm(x, (w.hidden,), layer.input_norm, w.eps)
-            qkv = mm(h, qkv_w)
-            if layer.qkv_bias is not None:
-                qkv = qkv + layer.qkv_bias
-            qkv = qkv.view(sessions, tokens, -1)
-            q_and_k = qkv[..., : w.q_width + w.kv_width].view(sessions, tokens, w.heads + kv_heads, dim)
-            swapped = torch.cat((q_and_k[..., half:], q_and_k[..., :half]), dim=-1)
-            rotated = torch.addcmul(q_and_k * cos, swapped, sin)
-            q, k = rotated[:, :, : w.heads], rotated[:, :, w.heads :]
-            v = qkv[..., w.q_width + w.kv_width :].view(sessions, tokens, kv_heads, dim)
+        kernel, heads = self._kernel, w.heads
+        x = F.embedding(b.ids.view(sessions * tokens), w.embed)
+        for index, p in enumerate(m._bound_layers(name)):
             keys, values = self.pool.keys[index], self.pool.values[index]  # [slots, kv_heads, S, dim]
-            keys[slot_rows, :, b.positions] = k
-            values[slot_rows, :, b.positions] = v
-            query = q.reshape(sessions, tokens, kv_heads, groups, dim).permute(0, 2, 3, 1, 4)
-            query = query.reshape(sessions, kv_heads, groups * tokens, dim)
-            out = self._attend(query, keys.index_select(0, b.slots), values.index_select(0, b.slots), mask)
-            attn = out.view(sessions, kv_heads, groups, tokens, dim).permute(0, 3, 1, 2, 4).reshape(rows, w.q_width)
-            x = x + mm(attn, o_w)
-            h = F.rms_norm(x, (w.hidden,), layer.post_norm, w.eps)
-            gate_up = mm(h, gate_up_w)
-            x = x + mm(F.silu(gate_up[:, : w.intermediate]) * gate_up[:, w.intermediate :], down_w)
+
+            def attend(q_and_k, v):
+                return attention.attend_slots(q_and_k, v, keys, values, b.slots, b.positions, slot_rows, heads,
+                                              kernel, mask)
+
+            x = decoder_layer(x, p, m.shape, mm, attend, cos, sin)
         h = F.rms_norm(x, (w.hidden,), w.final_norm, w.eps)
-        return x.view(sessions, tokens, -1), mm(h, m.head).view(sessions, tokens, -1)
+        return x.view(sessions, tokens, -1), mm(h, m.head.handles[name]).view(sessions, tokens, -1)
