@@ -74,8 +74,8 @@ def alternate(args) -> None:
         old_model, old_numpy_pass = load_old_forward(args.before)
         old = old_model(new.w, new.device, table_dir=cache_dir() / "lean-matmul")
         # One set of prepared (packed) weights for both, so that only the code around the products differs.
-        old.layers, old.head, old.plan = new.layers, new.head, new.plan
-        old.numpy_pass = old_numpy_pass(new.w, new.layers, new.head)
+        old.layers, old.head, old.plan = new.layers, new.lm_head, new.plan
+        old.numpy_pass = old_numpy_pass(new.w, new.layers, new.lm_head)
         models = {first: old, second: new}
     print(f"lean forward ms, {args.target}, CPU ({cpu_model()}), prefix {args.prefix}, {args.threads} thread(s); "
           f"{first} and {second} alternate pass by pass, {args.reps} passes each; product backends "
@@ -131,10 +131,10 @@ def numpy_overhead(args) -> None:
         def mm_numpy(x, rows_out):
             return np.zeros((x.shape[0], rows_out), dtype=np.float32)
 
-    for linear in [entry[i] for entry in lean.layers for i in range(1, 5)] + [lean.head]:
+    for linear in [entry[i] for entry in lean.layers for i in range(1, 5)] + [lean.lm_head]:
         linear.handles["stub"] = int(linear.weight.shape[0])
-    passes = {"before": load_old_forward(args.before)[1](lean.w, lean.layers, lean.head),
-              "after": NumpyPass(lean.w, lean.layers, lean.head)}
+    passes = {"before": load_old_forward(args.before)[1](lean.w, lean.layers, lean.lm_head),
+              "after": NumpyPass(lean.w, lean.layers, lean.lm_head)}
     print(f"numpy pass without its products, ms, {args.target}, CPU ({cpu_model()}), prefix {args.prefix}, "
           f"{args.threads} thread(s), {args.reps} passes each, alternating")
     print("tokens   before min  after min  ratio   before med  after med  ratio")

@@ -62,7 +62,7 @@ class LoadedModel:
         pass (``LeanModel`` or ``GgufModel``), or None on transformers' forward."""
         return self.gguf if self.gguf is not None else self.lean
 
-    def restrict_head(self, token_ids: list[int]) -> None:
+    def restrict_lm_head(self, token_ids: list[int]) -> None:
         """Compute logits only for ``token_ids``; every other id gets -inf (probability 0)."""
         if self.gguf is not None:
             raise ModelLoadError(f"{self.name}: a reduced LM head ({HEAD_TOKEN_IDS_FILE}) is not supported on "
@@ -74,7 +74,7 @@ class LoadedModel:
         self.head_token_ids = ids.to(self.device)
         self._head_weight = weight.detach()[self.head_token_ids].contiguous()
         if self.lean is not None:
-            self.lean.restrict_head(self.head_token_ids)
+            self.lean.restrict_lm_head(self.head_token_ids)
 
     def capture_graphs(self) -> int:
         """On the lean runtime with CUDA graphs: capture every pass bucket now (service warm-up);

@@ -317,7 +317,7 @@ def load_model(
     head_file = Path(path) / HEAD_TOKEN_IDS_FILE
     if head_file.is_file():
         try:
-            loaded.restrict_head(json.loads(head_file.read_text()))
+            loaded.restrict_lm_head(json.loads(head_file.read_text()))
         except (ValueError, TypeError) as exc:
             raise ModelLoadError(f"{head_file}: {exc}") from exc
     return loaded

@@ -37,7 +37,7 @@ def tiny_reduced_head(tiny_pair):
     from specdec.models import load_model
 
     lm = load_model(str(tiny_pair[1]), device=TEST_DEVICE)
-    lm.restrict_head(list(range(0, lm.logits_width, 3)))
+    lm.restrict_lm_head(list(range(0, lm.logits_width, 3)))
     return lm
 
 
@@ -296,7 +296,7 @@ def test_scheduler_gathers_concurrent_jobs_and_runs_prefills_alone():
     assert passes[0] == ["a"]
     # Order kept; the long job alone; at most 3 per pass; the cancelled job never ran.
     assert passes[1:] == [["b", "c", "d"], ["prefill"], ["bad", "e"]]
-    assert done["b"][0] == "B" and done["b"][1].size == 3 and done["b"][1].tokens == 6
+    assert done["b"][0] == "B" and done["b"][1].size == 3 and done["b"][1].num_tokens == 6
     assert done["prefill"][1].size == 1
     assert isinstance(done["bad"], ValueError) and done["e"][0] == "E"
 

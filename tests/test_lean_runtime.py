@@ -201,7 +201,7 @@ def test_a_single_session_pass_that_fails_leaves_the_session(tiny_hf, monkeypatc
 def test_a_reduced_head_reaches_the_numpy_pass(tiny_hf):
     lean = LeanModel.from_hf(tiny_hf)
     ids = torch.arange(0, lean.logits_width, 3)
-    lean.restrict_head(ids)
+    lean.restrict_lm_head(ids)
     kv = lean.new_kv()
     lean.forward([kv], [[5, 9, 11]], [1])
     got = lean.forward([kv], [[3]], [1])
@@ -221,7 +221,7 @@ def test_the_hf_model_shares_the_fused_weights(tiny_hf):
 def test_reduced_head_gives_minus_inf_elsewhere(tiny_hf):
     lean = LeanModel.from_hf(tiny_hf)
     ids = torch.arange(0, lean.logits_width, 3)
-    lean.restrict_head(ids)
+    lean.restrict_lm_head(ids)
     tokens = [5, 9, 11, 3]
     got = lean.forward([lean.new_kv()], [tokens], [2])
     expected = reference_logits(tiny_hf, tokens, 2)
@@ -390,7 +390,7 @@ def test_the_table_counts_each_timed_product_for_every_weight_of_its_shape(tiny_
     layers = len(model.layers)
     assert layers >= 2 and len(model.plan.timed) == 4 + 1
     weights = model.plan._weights
-    assert weights[tuple(model.head.weight.shape)] == 1
+    assert weights[tuple(model.lm_head.weight.shape)] == 1
     assert all(weights[tuple(lin.weight.shape)] == layers for lin in model.layers[0][1:])
 
 

@@ -110,7 +110,7 @@ def test_features_and_a_reduced_head_come_out_as_the_eager_forwards(tiny_hf):
     static = static_lean(tiny_hf)
     ids = torch.tensor(sorted(random.Random(5).sample(range(300), 64)))
     for lean in (eager, static):
-        lean.restrict_head(ids)
+        lean.restrict_lm_head(ids)
     sequences = [[7, 8, 9, 10, 11], [3, 4], [12]]
     results = []
     for lean in (eager, static):

@@ -33,7 +33,7 @@ from specdec.lean.weights import LeanWeights
 
 log = logging.getLogger(__name__)
 
-TIMED_BYTES = 96 << 20  # the load-time backend table times this much of the layers' weights (plus the head)
+TIMED_BYTES = 96 << 20  # the load-time backend table times this much of the layers' weights (plus the LM head)
 
 
 class LeanModel:
@@ -52,15 +52,15 @@ class LeanModel:
         self.kernel = attention.SdpaKernel(self.groups, self.scaling, self.device)
         self.layers = [(layer, Linear(layer.qkv), Linear(layer.o), Linear(layer.gate_up), Linear(layer.down))
                        for layer in weights.layers]
-        self.head = Linear(weights.head)
-        self.head_ids: torch.Tensor | None = None
-        linears = [linear for entry in self.layers for linear in entry[1:]] + [self.head]
+        self.lm_head = Linear(weights.lm_head)
+        self.lm_head_ids: torch.Tensor | None = None
+        linears = [linear for entry in self.layers for linear in entry[1:]] + [self.lm_head]
         self.plan = MatmulPlan(linears, self.device, backend=backend, buckets=buckets, reps=reps,
                                timed=self._timed_subset(timed_bytes), table_dir=table_dir)
         self._inv_freq = weights.inv_freq.to(self.device)
         self._bound: dict[str, list[LayerParams]] = {}  # backend name -> the layers' LayerParams
         # On CPU a single session's pass keeps its activations in numpy (numpy_pass: per-op cost).
-        self.numpy_pass = (NumpyPass(weights, self.layers, self.head)
+        self.numpy_pass = (NumpyPass(weights, self.layers, self.lm_head)
                            if self.device.type == "cpu" and self.dtype == torch.float32 else None)
         # Set while a caller wants the target's features (``LoadedModel.captured_features``): each pass
         # hands it the final-norm input of every fed token, packed as fed ([sum(fed), H], fp32, CPU).
@@ -76,7 +76,7 @@ class LeanModel:
         return cls(weights, weights.embed.device, **options)
 
     def _timed_subset(self, timed_bytes: int | None) -> list[Linear] | None:
-        """The first layers whose weights pass ``timed_bytes`` (far past any cache), plus the head."""
+        """The first layers whose weights pass ``timed_bytes`` (far past any cache), plus the LM head."""
         if timed_bytes is None:
             return None
         timed, size = [], 0
@@ -85,11 +85,11 @@ class LeanModel:
                 break
             timed.extend(entry[1:])
             size += sum(linear.weight.numel() * linear.weight.element_size() for linear in entry[1:])
-        return timed + [self.head]
+        return timed + [self.lm_head]
 
     @property
     def logits_width(self) -> int:
-        return int(self.w.head.shape[0])
+        return int(self.w.lm_head.shape[0])
 
     def use_static_kv(self, slots: int, slot_tokens: int, graphs: bool) -> None:
         """Sessions take slots of one preallocated KV pool, and passes that fit a bucket run
@@ -107,15 +107,15 @@ class LeanModel:
         return LeanKV(len(self.layers), self.w.kv_heads, self.w.head_dim, self.dtype, self.device,
                       capacity=capacity, max_capacity=self.w.max_positions)
 
-    def restrict_head(self, token_ids: torch.Tensor) -> None:
+    def restrict_lm_head(self, token_ids: torch.Tensor) -> None:
         """FR-Spec: logits only for ``token_ids`` (sorted); every other id gets -inf."""
-        self.head_ids = token_ids.to(self.device)
-        self.head = Linear(self.w.head[self.head_ids].contiguous())
-        self.plan.prepare(self.head)
+        self.lm_head_ids = token_ids.to(self.device)
+        self.lm_head = Linear(self.w.lm_head[self.lm_head_ids].contiguous())
+        self.plan.prepare(self.lm_head)
         if self.static is not None:
-            self.static.forget_graphs()  # they read the old head
+            self.static.forget_graphs()  # they read the old LM head
         if self.numpy_pass is not None:
-            self.numpy_pass.head = self.head
+            self.numpy_pass.lm_head = self.lm_head
 
     @torch.inference_mode()
     def forward(self, kvs: Sequence[LeanKV], feeds: Sequence[Sequence[int]], num_logits: Sequence[int]) -> torch.Tensor:
@@ -168,7 +168,7 @@ class LeanModel:
                 self.feature_sink(x.float().cpu())
             rows = x[torch.tensor(keep, device=device)] if len(keep) < total else x
             h = F.rms_norm(rows, (w.hidden,), w.final_norm, w.eps)
-            logits = backend.mm(h, self.head.handles[backend.name]).float()
+            logits = backend.mm(h, self.lm_head.handles[backend.name]).float()
         for kv, p, n in zip(kvs, pasts, fed):  # the pass succeeded: every session now holds its feed
             kv.length = p + n
         return self._full_width(logits)
@@ -184,11 +184,11 @@ class LeanModel:
             raise
 
     def _full_width(self, logits: torch.Tensor) -> torch.Tensor:
-        """Logits over the whole vocabulary: a reduced head's rows in place, -inf elsewhere."""
-        if self.head_ids is None:
+        """Logits over the whole vocabulary: a reduced LM head's rows in place, -inf elsewhere."""
+        if self.lm_head_ids is None:
             return logits
         full = torch.full((logits.shape[0], self.logits_width), -torch.inf, device=logits.device)
-        full[:, self.head_ids] = logits
+        full[:, self.lm_head_ids] = logits
         return full
 
     def _bound_layers(self, backend_name: str) -> list[LayerParams]:

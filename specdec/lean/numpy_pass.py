@@ -32,13 +32,13 @@ from specdec.lean.weights import LeanWeights
 
 class NumpyPass:
     """``run(kv, tokens, num_logits, backend)``: feed ``tokens`` after what ``kv`` holds; fp32
-    logits [num_logits, head rows] (numpy) for the last ``num_logits`` of them.
+    logits [num_logits, LM head rows] (numpy) for the last ``num_logits`` of them.
 
     Holds numpy views (no copy) of the norms and the embedding, and the forward's ``Linear``s, whose
     handles the backend multiplies by. ``kv.length`` moves only after the whole pass."""
 
-    def __init__(self, weights: LeanWeights, layers, head) -> None:
-        """``layers``: the forward's (LayerWeights, qkv, o, gate_up, down) entries; ``head``: its head ``Linear``."""
+    def __init__(self, weights: LeanWeights, layers, lm_head) -> None:
+        """``layers``: the forward's (LayerWeights, qkv, o, gate_up, down) entries; ``lm_head``: its LM head ``Linear``."""
         w = weights
         self.shape = LayerShape.of(w)
         self.kernel = attention.NumpyKernel(w.head_dim ** -0.5)
@@ -46,7 +46,7 @@ class NumpyPass:
         self.final_norm = w.final_norm.numpy()
         self.layers = layers
         self._bound: dict[str, list] = {}  # backend name -> the layers' LayerParams (handles bound once)
-        self.head = head
+        self.lm_head = lm_head
         self.inv_freq = w.inv_freq.float().numpy()
         self.rope_scale = w.rope_scale
 
@@ -82,6 +82,6 @@ class NumpyPass:
             x = decoder_layer(x, p, shape, mm, attend, cos, sin, NUMPY)
         if feature_sink is not None:
             feature_sink(torch.from_numpy(x.copy()))
-        logits = mm(NUMPY.rms_norm(x[count - num_logits :], self.final_norm, shape.eps), self.head.handles[name])
+        logits = mm(NUMPY.rms_norm(x[count - num_logits :], self.final_norm, shape.eps), self.lm_head.handles[name])
         kv.length = total
         return logits

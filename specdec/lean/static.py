@@ -259,4 +259,4 @@ class StaticPasses:
 
             x = decoder_layer(x, p, m.shape, mm, attend, cos, sin)
         h = F.rms_norm(x, (w.hidden,), w.final_norm, w.eps)
-        return x.view(sessions, tokens, -1), mm(h, m.head.handles[name]).view(sessions, tokens, -1)
+        return x.view(sessions, tokens, -1), mm(h, m.lm_head.handles[name]).view(sessions, tokens, -1)

@@ -75,7 +75,7 @@ class LeanWeights:
     embed: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     final_norm: torch.Tensor
-    head: torch.Tensor  # [logits width, hidden] (the embedding itself when tied)
+    lm_head: torch.Tensor  # [logits width, hidden] (the embedding itself when tied)
     heads: int
     kv_heads: int
     head_dim: int
@@ -134,7 +134,7 @@ class LeanWeights:
             embed=base.embed_tokens.weight.detach(),
             layers=layers,
             final_norm=base.norm.weight.detach(),
-            head=model.get_output_embeddings().weight.detach().contiguous(),
+            lm_head=model.get_output_embeddings().weight.detach().contiguous(),
             heads=heads, kv_heads=kv_heads, head_dim=head_dim,
             intermediate=int(config.intermediate_size),
             eps=float(getattr(config, "rms_norm_eps", 1e-6)),
