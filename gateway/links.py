@@ -326,7 +326,7 @@ class RemoteDrafter:
             if self.broken is not None:
                 return DraftProposal()
             self.round += 1
-            propose = drafter_pb2.DraftPropose(
+            propose = drafter_pb2.ProposalRequest(
                 round=self.round, committed_token_ids=committed, num_draft_tokens=num_draft_tokens,
                 ahead_tokens=ahead_tokens,
             )
@@ -375,7 +375,7 @@ class RemoteDrafter:
         if self.broken is not None:
             return
         self.round += 1
-        propose = drafter_pb2.DraftPropose(round=self.round, committed_token_ids=committed, num_draft_tokens=0,
+        propose = drafter_pb2.ProposalRequest(round=self.round, committed_token_ids=committed, num_draft_tokens=0,
                                            ahead_tokens=ahead_tokens, ahead_used=used)
         convert.attach_features(propose, features, self.max_message_bytes)
         self._continue_write = asyncio.ensure_future(

@@ -91,7 +91,7 @@ def test_drafter_rejects_ahead_used_without_a_block(ahead_stack):
         stub = drafter_pb2_grpc.DrafterStub(channel)
         requests = [
             drafter_pb2.DraftRequest(start=drafter_pb2.DraftStart(session_id="ahead-bad", prompt_token_ids=[5, 6, 7])),
-            drafter_pb2.DraftRequest(propose=drafter_pb2.DraftPropose(round=1, num_draft_tokens=0, ahead_used=2,
+            drafter_pb2.DraftRequest(propose=drafter_pb2.ProposalRequest(round=1, num_draft_tokens=0, ahead_used=2,
                                                                       ahead_tokens=2)),
         ]
         with pytest.raises(grpc.RpcError) as info:

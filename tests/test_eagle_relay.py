@@ -172,7 +172,7 @@ def test_the_drafter_takes_a_window_past_its_history_as_a_fresh_start(wide, tiny
 
         def propose(start_position: int, rows: int, committed):
             features = convert.features_to_pb(TargetFeatures(start_position, torch.randn(rows, WIDE)))
-            return drafter_pb2.DraftRequest(propose=drafter_pb2.DraftPropose(
+            return drafter_pb2.DraftRequest(propose=drafter_pb2.ProposalRequest(
                 round=1, committed_token_ids=list(committed), num_draft_tokens=2, target_features=features))
 
         answers = list(stub.Draft(iter([start, propose(0, 3, (8,)), propose(5, 2, (9, 10, 11, 12))]), timeout=30))
@@ -392,7 +392,7 @@ def test_the_relay_keeps_the_newest_features_within_its_bound_and_a_resend_repla
     # The proposal that carries them fits its message, however many committed ids ride along.
     relay = FeatureRelay(max_bytes=4096)
     relay.add(TargetFeatures(0, torch.randn(600, width)).encode())
-    propose = drafter_pb2.DraftPropose(round=1, committed_token_ids=[50_000] * 1000, num_draft_tokens=3)
+    propose = drafter_pb2.ProposalRequest(round=1, committed_token_ids=[50_000] * 1000, num_draft_tokens=3)
     convert.attach_features(propose, relay.take(), max_message_bytes=5000)
     request = drafter_pb2.DraftRequest(propose=propose)
     assert request.ByteSize() <= 5000 and propose.target_features.num_positions > 0

@@ -239,7 +239,7 @@ def test_services_report_features_and_refuse_bad_ones_by_name(stack):
 
         def propose(start_position: int, rows: int, width: int = 64, committed=(8,)):
             features = convert.features_to_pb(TargetFeatures(start_position, torch.zeros(rows, width)))
-            return drafter_pb2.DraftRequest(propose=drafter_pb2.DraftPropose(
+            return drafter_pb2.DraftRequest(propose=drafter_pb2.ProposalRequest(
                 round=1, committed_token_ids=list(committed), num_draft_tokens=2, target_features=features))
 
         ok = list(stub.Draft(iter([start, propose(0, 3)]), timeout=10))

@@ -67,7 +67,7 @@ def _verified(address: str, seed: int | None) -> list[int]:
 def _drafted(address: str, seed: int | None) -> list[int]:
     """TOKENS draft tokens of one session opened directly on the drafter (one proposal)."""
     start = drafter_pb2.DraftRequest(start=drafter_pb2.DraftStart(prompt_token_ids=PROMPT, sampling=_sampling(seed)))
-    propose = drafter_pb2.DraftRequest(propose=drafter_pb2.DraftPropose(round=1, num_draft_tokens=TOKENS))
+    propose = drafter_pb2.DraftRequest(propose=drafter_pb2.ProposalRequest(round=1, num_draft_tokens=TOKENS))
     with grpc.insecure_channel(address) as channel:
         replies = list(drafter_pb2_grpc.DrafterStub(channel).Draft(iter([start, propose]), timeout=60))
     tokens = [t for reply in replies if reply.WhichOneof("kind") == "proposal" for t in reply.proposal.draft_token_ids]

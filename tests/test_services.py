@@ -268,7 +268,7 @@ def test_internal_streams_reject_bad_messages(stack):
     with grpc.insecure_channel(stack.drafters[0].address) as channel:
         stub = drafter_pb2_grpc.DrafterStub(channel)
         start = drafter_pb2.DraftRequest(start=drafter_pb2.DraftStart(prompt_token_ids=[1, 2]))
-        too_many = drafter_pb2.DraftRequest(propose=drafter_pb2.DraftPropose(num_draft_tokens=10**4))
+        too_many = drafter_pb2.DraftRequest(propose=drafter_pb2.ProposalRequest(num_draft_tokens=10**4))
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Draft(iter([start, too_many]), timeout=10))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -88,7 +88,7 @@ def draft_start(session_id: str = "", prompt=(5, 6, 7)) -> drafter_pb2.DraftRequ
 
 
 def propose(committed=(), k: int = 2) -> drafter_pb2.DraftRequest:
-    return drafter_pb2.DraftRequest(propose=drafter_pb2.DraftPropose(round=1, committed_token_ids=list(committed),
+    return drafter_pb2.DraftRequest(propose=drafter_pb2.ProposalRequest(round=1, committed_token_ids=list(committed),
                                                                      num_draft_tokens=k))
 
 

@@ -66,7 +66,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
 
     def feature_window(self, lm: LoadedModel) -> int | None:
         """The most feature positions a prefill verdict carries (a long prompt's tail): half the
-        message size limit (the gateway joins a few verdicts' features into one DraftPropose)."""
+        message size limit (the gateway joins a few verdicts' features into one ProposalRequest)."""
         row_bytes = WIRE_DTYPE.itemsize * lm.feature_size
         return max(64, self.runtime.options.max_message_bytes // 2 // row_bytes) if lm.feature_size else None
 

@@ -92,7 +92,7 @@ def proposal_from_pb(msg) -> DraftProposal:
     return DraftProposal(tokens, [sparse_from_pb(d) for d in msg.draft_probs])
 
 
-# At most what a TargetFeatures field adds to a DraftPropose beside its data (tags, varints, length
+# At most what a TargetFeatures field adds to a ProposalRequest beside its data (tags, varints, length
 # prefixes), the DraftRequest around the proposal included.
 FEATURES_FIELD_OVERHEAD = 64
 
@@ -104,7 +104,7 @@ def features_to_pb(features: TargetFeatures | EncodedFeatures) -> types_pb2.Targ
 
 
 def attach_features(propose, features: EncodedFeatures | None, max_message_bytes: int) -> None:
-    """Set ``propose.target_features`` (a DraftPropose) to the newest of ``features`` that fit beside
+    """Set ``propose.target_features`` (a ProposalRequest) to the newest of ``features`` that fit beside
     the rest of the proposal in a message of ``max_message_bytes`` (``gateway.feature_relay.FeatureRelay``
     says why the newest). A payload longer than its header says goes only if it fits: the drafter refuses it."""
     if features is None:

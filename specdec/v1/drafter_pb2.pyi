@@ -12,8 +12,8 @@ class DraftRequest(_message.Message):
     START_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_FIELD_NUMBER: _ClassVar[int]
     start: DraftStart
-    propose: DraftPropose
-    def __init__(self, start: _Optional[_Union[DraftStart, _Mapping]] = ..., propose: _Optional[_Union[DraftPropose, _Mapping]] = ...) -> None: ...
+    propose: ProposalRequest
+    def __init__(self, start: _Optional[_Union[DraftStart, _Mapping]] = ..., propose: _Optional[_Union[ProposalRequest, _Mapping]] = ...) -> None: ...
 
 class DraftStart(_message.Message):
     __slots__ = ("session_id", "prompt_token_ids", "sampling", "draft_top_k")
@@ -27,7 +27,7 @@ class DraftStart(_message.Message):
     draft_top_k: int
     def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., draft_top_k: _Optional[int] = ...) -> None: ...
 
-class DraftPropose(_message.Message):
+class ProposalRequest(_message.Message):
     __slots__ = ("round", "committed_token_ids", "num_draft_tokens", "ahead_tokens", "ahead_used", "target_features")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
