@@ -7,7 +7,8 @@ import logging
 import time
 
 from specdec import telemetry
-from specdec.drafters import Drafter, DraftSession, ModelDrafter, NgramDrafter
+from specdec.drafters import ModelDrafter
+from specdec.drafting import Drafter, DraftSession, NgramDrafter
 from specdec.eagle.drafter import EagleDrafter
 from specdec.eagle.target_rows import read_target
 from specdec.models import EMBEDDED_DRAFT, EMBEDDED_TARGET, LoadedModel, default_eagle_head, load_model, load_tokenizer, tokenizer_fingerprint
@@ -15,7 +16,7 @@ from specdec.replay import REPLAY_WIRE_METHOD, ReplayDrafter
 from specdec.rpc import convert
 from specdec.rpc.server import NotReady, idle_guard, ServiceRuntime, map_errors, map_unary_errors
 from specdec.rpc.sessions import ModelWorkerService, validate_session_id
-from specdec.sampling import DraftProposal, SamplingParams, with_random_seed
+from specdec.wire_types import DraftProposal, SamplingParams, with_random_seed
 from specdec.service_config import DrafterConfig
 from specdec.target_features import decode_features
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, types_pb2

@@ -67,7 +67,7 @@ def main() -> int:
     from specdec.engine import LocalDrafter, LocalVerifier, RoundRecord, collect, generate
     from specdec.models import load_model
     from specdec.policy import FixedDraftLength
-    from specdec.sampling import SamplingParams
+    from specdec.wire_types import SamplingParams
     from specdec.verification import TargetSession
     from tests.tiny_models import build_pair
 

@@ -21,7 +21,8 @@ from typing import Protocol
 
 import torch
 
-from specdec.sampling import DRAW_ACCEPT, DRAW_TOKEN, SparseDistribution, inverse_cdf, sparse_to_dense
+from specdec.sampling import DRAW_ACCEPT, DRAW_TOKEN, inverse_cdf, sparse_to_dense
+from specdec.wire_types import SparseDistribution
 
 
 class Draws(Protocol):

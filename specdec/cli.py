@@ -106,11 +106,12 @@ def _generate_local(args) -> int:
     import torch
 
     from specdec.completion import Chunk
-    from specdec.drafters import ModelDrafter, NgramDrafter
+    from specdec.drafters import ModelDrafter
+    from specdec.drafting import NgramDrafter
     from specdec.models import check_compatible, default_draft_model, load_model
     from specdec.prompts import encode_chat, encode_text
     from specdec.local import LocalEngine
-    from specdec.sampling import SamplingParams
+    from specdec.wire_types import SamplingParams
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     target = load_model(args.target)

@@ -1,32 +1,16 @@
 """Model drafting behind the drafting interface (``specdec.drafting``, which also holds the drafters
-that need no model; imported from here too): a small causal LM drafts k tokens per round, batched
+that need no model): a small causal LM drafts k tokens per round, batched
 across sessions."""
 
 from __future__ import annotations
 
-from specdec.drafting import (  # noqa: F401 - the interface and model-free drafters, imported from here too
-    Drafter,
-    DraftSession,
-    NgramDrafter,
-    NgramDraftSession,
-    ScriptedDrafter,
-    ScriptedDraftSession,
-)
+from specdec.drafting import Drafter, DraftSession
 from specdec.kv import KVSession
 from specdec.lm import LoadedModel
 from specdec.ragged import ForwardRow, batched_forward
 from specdec.randomness import uniform
-from specdec.sampling import (
-    DRAW_TOKEN,
-    STREAM_DRAFT,
-    DraftProposal,
-    SamplingParams,
-    SparseDistribution,
-    greedy_tokens,
-    process_logits,
-    sample_sparse,
-    truncate_top_k,
-)
+from specdec.sampling import DRAW_TOKEN, STREAM_DRAFT, greedy_tokens, process_logits, sample_sparse, truncate_top_k
+from specdec.wire_types import DraftProposal, SamplingParams, SparseDistribution
 
 
 class ModelDraftSession(DraftSession):

@@ -19,7 +19,7 @@ from specdec.policy import DraftLengthPolicy, RoundObservation
 from specdec.wire_types import DraftProposal, Verdict, VerdictFeatures
 
 if TYPE_CHECKING:  # the in-process links' sessions; the loop itself runs without torch (the gateway's)
-    from specdec.drafters import DraftSession
+    from specdec.drafting import DraftSession
     from specdec.verification import TargetSession
 
 

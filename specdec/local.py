@@ -6,11 +6,11 @@ from collections.abc import AsyncIterator
 
 from specdec.completion import Chunk, CompletionBuilder
 from specdec.costs import measure_forward_curve
-from specdec.drafters import Drafter
+from specdec.drafting import Drafter
 from specdec.engine import GenerationResult, LocalDrafter, LocalVerifier, generate
 from specdec.lm import LoadedModel
 from specdec.policy import AcceptanceMemory, DraftLengthPolicy, make_policy
-from specdec.sampling import SamplingParams, with_random_seed
+from specdec.wire_types import SamplingParams, with_random_seed
 from specdec.verification import TargetSession
 
 

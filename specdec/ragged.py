@@ -25,7 +25,6 @@ import torch
 
 from specdec.kv import KVSession
 from specdec.lm import LoadedModel, logits_to
-from specdec.wire_types import BatchInfo  # noqa: F401 - the scheduler's callers load it from here too
 
 log = logging.getLogger(__name__)
 

@@ -31,9 +31,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specdec.drafters import Drafter, DraftSession
+from specdec.drafting import Drafter, DraftSession
 from specdec.randomness import uniform
-from specdec.sampling import DraftProposal, SamplingParams
+from specdec.wire_types import DraftProposal, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -11,19 +11,8 @@ import math
 import numpy as np
 import torch
 
-# The value types live with the wire's (no torch there); imported from here too.
-from specdec.wire_types import (  # noqa: F401
-    DEFAULT_DRAFT_TOP_K,
-    FLOAT32_MAX,
-    GREEDY_TEMPERATURE,
-    UINT32_MAX,
-    UINT64_MAX,
-    DraftProposal,
-    SamplingParams,
-    SparseDistribution,
-    is_utf8,
-    with_random_seed,
-)
+# The value types live with the wire's (no torch there).
+from specdec.wire_types import SamplingParams, SparseDistribution
 
 # Independent random streams per position: draft sampling and verification never share draws.
 # A draw is keyed by (request seed, absolute position, stream, draw index) (specdec.randomness).

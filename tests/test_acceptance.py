@@ -16,9 +16,6 @@ from specdec.sampling import (
     DRAW_TOKEN,
     STREAM_DRAFT,
     STREAM_VERIFY,
-    DraftProposal,
-    SamplingParams,
-    SparseDistribution,
     greedy_tokens,
     mask_beyond_vocab,
     process_logits,
@@ -26,6 +23,7 @@ from specdec.sampling import (
     sparse_to_dense,
     truncate_top_k,
 )
+from specdec.wire_types import DraftProposal, SamplingParams, SparseDistribution
 
 V = 10
 

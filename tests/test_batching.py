@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from specdec.client import GatewayClient
-from specdec.drafters import ModelDrafter, ScriptedDrafter
+from specdec.drafters import ModelDrafter
+from specdec.drafting import ScriptedDrafter
 from specdec.kv import KVSession
 from specdec.ragged import ForwardRow, batched_forward
 from specdec.rpc.scheduler import BatchingOptions, BatchScheduler
-from specdec.sampling import DraftProposal, SamplingParams
+from specdec.wire_types import DraftProposal, SamplingParams
 from specdec.verification import PrefillChunk, TargetSession, verify_batch
 from tests.harness import scrape_metric, start_stack
 from tests.test_distribution import assert_first_three_follow_target

@@ -305,7 +305,7 @@ def test_prefix_acceptance_over_every_start_position():
 
 def test_match_bits_are_what_the_drafter_would_propose(tiny_draft):
     from specdec.drafters import ModelDraftSession
-    from specdec.sampling import SamplingParams
+    from specdec.wire_types import SamplingParams
 
     prompt = [5, 17, 3, 42, 8]
     session = ModelDraftSession(tiny_draft, prompt, SamplingParams())
@@ -343,7 +343,7 @@ def test_teacher_forcing_replays_a_fixed_k_run_exactly(tiny_target, tiny_noisy_d
     from specdec.drafters import ModelDrafter
     from specdec.engine import collect, run_sync
     from specdec.local import LocalEngine
-    from specdec.sampling import SamplingParams
+    from specdec.wire_types import SamplingParams
 
     params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
     outputs = []

@@ -21,7 +21,8 @@ import specdec.lm
 import specdec.ragged
 from specdec.drafters import ModelDrafter
 from specdec.ragged import ForwardRow, batched_forward
-from specdec.sampling import DraftProposal, SamplingParams, sample_sparse, truncate_top_k
+from specdec.sampling import sample_sparse, truncate_top_k
+from specdec.wire_types import DraftProposal, SamplingParams
 from specdec.verification import TargetSession
 from specdec.kv import KVSession
 from tests.tiny_models import TEST_DEVICE

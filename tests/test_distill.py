@@ -17,7 +17,7 @@ from specdec.engine import collect, run_sync
 from specdec.local import LocalEngine
 from specdec.models import HEAD_TOKEN_IDS_FILE, check_compatible, load_model
 from specdec.prompts import encode_chat
-from specdec.sampling import SamplingParams
+from specdec.wire_types import SamplingParams
 from tests.test_greedy_equality import hf_greedy
 from tests.tiny_models import TEST_DEVICE
 

@@ -16,8 +16,8 @@ from specdec.drafters import ModelDrafter
 from specdec.engine import collect
 from specdec.local import LocalEngine
 from specdec.randomness import position_keys
-from specdec.sampling import (STREAM_VERIFY, SamplingParams, SparseDistribution, process_logits, sparse_to_dense,
-                              truncate_top_k)
+from specdec.sampling import STREAM_VERIFY, process_logits, sparse_to_dense, truncate_top_k
+from specdec.wire_types import SamplingParams, SparseDistribution
 
 ALPHA = 1e-4  # significance of every chi-square test below
 

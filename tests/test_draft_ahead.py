@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from specdec.client import GatewayClient
-from specdec.drafters import ModelDrafter, NgramDrafter
-from specdec.sampling import SamplingParams
+from specdec.drafters import ModelDrafter
+from specdec.drafting import NgramDrafter
+from specdec.wire_types import SamplingParams
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 from tests.harness import start_stack
 from tests.test_services import reference_greedy

@@ -30,7 +30,7 @@ from specdec.models import load_model
 from specdec.policy.base import DraftLengthPolicy
 from specdec.rpc import convert
 from specdec.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
-from specdec.sampling import SamplingParams
+from specdec.wire_types import SamplingParams
 from specdec.target_features import TargetFeatures, decode_features
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specdec.verification import TargetSession

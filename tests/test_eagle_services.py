@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specdec.client import GatewayClient
-from specdec.drafters import NgramDrafter
+from specdec.drafting import NgramDrafter
 from specdec.eagle.features import teacher_force
 from specdec.completion import CompletionBuilder
 from specdec.eagle.drafter import EagleDrafter
@@ -24,7 +24,7 @@ from specdec.policy import make_policy
 from specdec.models import load_model
 from specdec.prompts import encode_chat, encode_text
 from specdec.rpc import convert
-from specdec.sampling import DraftProposal, SamplingParams
+from specdec.wire_types import DraftProposal, SamplingParams
 from specdec.target_features import TargetFeatures, decode_features
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specdec.verification import PendingForward, PrefillChunk, TargetSession, verify_batch

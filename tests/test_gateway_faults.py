@@ -33,7 +33,7 @@ from specdec.completion import CompletionBuilder
 from specdec.engine import GenerationResult, LocalVerifier, generate
 from specdec.policy import FixedDraftLength
 from specdec.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, status_for
-from specdec.sampling import SamplingParams
+from specdec.wire_types import SamplingParams
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specdec.verification import TargetSession
 from tests.harness import ROOT, start_service

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from specdec.completion import CompletionBuilder
-from specdec.drafters import ModelDrafter, ScriptedDrafter
+from specdec.drafters import ModelDrafter
+from specdec.drafting import ScriptedDrafter
 from specdec.engine import LocalDrafter, LocalVerifier, collect, generate, run_sync
 from specdec.gguf.build import LIBRARY_ENV, built_dir
 from specdec.gguf.runtime import POSITIONS_ENV, SEQUENCES_ENV, THREADS_ENV, SequencesExhausted
@@ -28,7 +29,8 @@ from specdec.models import CACHE_ENV, EMBEDDED_GGUF, ModelLoadError, load_model,
 from specdec.pass_options import RUNTIME_ENV
 from specdec.policy import FixedDraftLength
 from specdec.ragged import ForwardRow, batched_forward
-from specdec.sampling import DraftProposal, SamplingParams, greedy_tokens
+from specdec.sampling import greedy_tokens
+from specdec.wire_types import DraftProposal, SamplingParams
 from specdec.verification import TargetSession, verify_batch
 from tests.test_distribution import _first_tokens, assert_first_three_follow_target
 from tests.test_greedy_equality import RecordingPolicy, corrupting_script

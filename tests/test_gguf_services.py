@@ -24,7 +24,7 @@ from specdec.gguf.runtime import SEQUENCES_ENV
 from specdec.local import LocalEngine
 from specdec.models import CACHE_ENV, load_model
 from specdec.pass_options import RUNTIME_ENV
-from specdec.sampling import SamplingParams
+from specdec.wire_types import SamplingParams
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 from tests.harness import Stack, health_status, start_service
 from tests.test_gguf_runtime import gguf_env, tiny_gguf_files

@@ -13,7 +13,8 @@ import random
 import pytest
 import torch
 
-from specdec.drafters import ModelDrafter, NgramDrafter, ScriptedDrafter
+from specdec.drafters import ModelDrafter
+from specdec.drafting import NgramDrafter, ScriptedDrafter
 from specdec.completion import CompletionBuilder
 from specdec.engine import LocalDrafter, LocalVerifier, collect, generate, run_sync
 from specdec import kv as kv_module
@@ -21,7 +22,7 @@ from specdec.kv import KVSession
 from specdec.local import LocalEngine
 from specdec.policy import DraftLengthPolicy, FixedDraftLength, RoundObservation
 from specdec.prompts import encode_chat
-from specdec.sampling import DraftProposal, SamplingParams
+from specdec.wire_types import DraftProposal, SamplingParams
 from specdec.verification import TargetSession
 from tests.tiny_models import TEST_DEVICE
 

@@ -649,10 +649,10 @@ def test_adaptive_policy_in_the_engine_keeps_output_exact(tiny_target, monkeypat
     import types
 
     import specdec.engine
-    from specdec.drafters import ScriptedDrafter
+    from specdec.drafting import ScriptedDrafter
     from specdec.engine import collect, run_sync
     from specdec.local import LocalEngine
-    from specdec.sampling import DraftProposal, SamplingParams
+    from specdec.wire_types import DraftProposal, SamplingParams
 
     ids = tiny_target.tokenizer("the quick brown fox", add_special_tokens=False)["input_ids"]
     params = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)

@@ -25,7 +25,7 @@ from specdec.replay import (
     read_replay_file,
     write_replay_file,
 )
-from specdec.sampling import DraftProposal, SamplingParams
+from specdec.wire_types import DraftProposal, SamplingParams
 from specdec.synthetic import PRESETS, parse_synthetic
 from tests.tiny_models import TEST_DEVICE
 

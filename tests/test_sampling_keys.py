@@ -19,14 +19,13 @@ from specdec.sampling import (
     DRAW_TOKEN,
     STREAM_DRAFT,
     STREAM_VERIFY,
-    SamplingParams,
-    SparseDistribution,
     inverse_cdf,
     process_logits,
     sample_sparse,
     sparse_to_dense,
     truncate_top_k,
 )
+from specdec.wire_types import SamplingParams, SparseDistribution
 from tests.test_distribution import ALPHA, chi2_pvalue
 
 # ---------------------------------------------------------------------------------------------

@@ -334,7 +334,7 @@ def test_round_on_the_wire_fits_8kb(embedded_target):
     """8 sampled drafts with K = 64 from the embedded model (real ids, real probabilities)."""
     from specdec.drafters import ModelDrafter
     from specdec.rpc import convert
-    from specdec.sampling import SamplingParams
+    from specdec.wire_types import SamplingParams
 
     prompt = embedded_target.tokenizer("Once upon a time, in a quiet village,")["input_ids"]
     params = SamplingParams(temperature=1.0, seed=1, draft_top_k=64)

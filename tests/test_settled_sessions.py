@@ -14,7 +14,7 @@ from gateway.links import RemoteDrafter
 from specdec.completion import CompletionBuilder
 from specdec.engine import GenerationResult, LocalVerifier, generate
 from specdec.policy import DraftLengthPolicy, RoundObservation
-from specdec.sampling import SamplingParams
+from specdec.wire_types import SamplingParams
 from specdec.v1 import drafter_pb2_grpc
 from specdec.verification import TargetSession
 from tests.harness import start_service

@@ -240,7 +240,7 @@ def test_batch_invariant_speculation_equals_decoding_one_token_at_a_time(tiny_pa
     from specdec.local import LocalEngine
     from specdec.models import load_model
     from specdec.policy import FixedDraftLength
-    from specdec.sampling import SamplingParams
+    from specdec.wire_types import SamplingParams
     from tests.tiny_models import TEST_DEVICE
 
     monkeypatch.setenv("SPECDEC_STATIC_KV", "on")

@@ -19,7 +19,7 @@ from specdec.drafters import ModelDrafter
 from specdec.engine import GenerationResult, run_sync
 from specdec.local import LocalEngine
 from specdec.policy import DraftLengthPolicy
-from specdec.sampling import SamplingParams
+from specdec.wire_types import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -174,7 +174,7 @@ def test_a_refused_block_leaves_the_session_untouched(tiny_target):
     """Validation runs before anything of the block is applied: the same session, refused a block,
     decides the next one exactly as a session that never saw it."""
     from specdec.rpc import convert
-    from specdec.sampling import SamplingParams
+    from specdec.wire_types import SamplingParams
     from specdec.verification import TargetSession, check_draft_probs
     from specdec.wire_types import FieldError
 

@@ -11,7 +11,7 @@ import grpc
 
 from specdec.rpc import convert
 from specdec.rpc.server import ServeOptions, ServiceRuntime
-from specdec.sampling import SamplingParams
+from specdec.wire_types import SamplingParams
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 from tests.harness import free_port
 from tests.test_services import reference_greedy

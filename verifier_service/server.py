@@ -13,7 +13,7 @@ from specdec.models import MAX_VOCAB_PADDING, LoadedModel, load_model
 from specdec.rpc import convert
 from specdec.rpc.server import NotReady, idle_guard, ServiceRuntime, map_errors, map_unary_errors
 from specdec.rpc.sessions import ModelWorkerService, validate_session_id
-from specdec.sampling import DraftProposal, with_random_seed
+from specdec.wire_types import DraftProposal, with_random_seed
 from specdec.service_config import VerifierConfig
 from specdec.target_features import WIRE_DTYPE
 from specdec.v1 import types_pb2, verifier_pb2, verifier_pb2_grpc
@@ -50,7 +50,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
         log.info("verifier serving %s threads=%d", target, await self.model_threads())
 
     def _warm_up(self) -> None:
-        from specdec.sampling import SamplingParams
+        from specdec.wire_types import SamplingParams
 
         session = TargetSession(self.lm, [0, 1, 2, 3], SamplingParams(max_new_tokens=4))
         session.prefill()

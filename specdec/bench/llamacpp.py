@@ -66,7 +66,7 @@ def is_llamacpp(spec: SystemSpec) -> bool:
 
 def check_greedy(systems, temperature: float) -> None:
     """``ValueError`` when a llama.cpp system is asked to sample."""
-    from specdec.sampling import GREEDY_TEMPERATURE
+    from specdec.wire_types import GREEDY_TEMPERATURE
 
     names = [s.name for s in systems if is_llamacpp(s)]
     if names and temperature >= GREEDY_TEMPERATURE:
@@ -251,7 +251,7 @@ class LlamaCppRunner(Runner):
         self._thread.start()
 
     def generate(self, *, messages, prompt, max_new_tokens, temperature, seed) -> Outcome:
-        from specdec.sampling import GREEDY_TEMPERATURE
+        from specdec.wire_types import GREEDY_TEMPERATURE
 
         if temperature >= GREEDY_TEMPERATURE:
             raise ValueError("temperature: llama.cpp's systems decode greedily only")
@@ -260,7 +260,7 @@ class LlamaCppRunner(Runner):
     def submit(self, prompt_ids: list[int], max_new_tokens: int) -> _Request:
         """Queue a greedy generation of ``prompt_ids``; ``result`` waits for it."""
         from specdec.completion import CompletionBuilder
-        from specdec.sampling import SamplingParams
+        from specdec.wire_types import SamplingParams
 
         positions = self.model.max_positions
         if not prompt_ids:

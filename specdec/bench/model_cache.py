@@ -43,7 +43,8 @@ class ModelCache:
         return self._forward_curve
 
     def drafter(self):
-        from specdec.drafters import ModelDrafter, NgramDrafter
+        from specdec.drafters import ModelDrafter
+        from specdec.drafting import NgramDrafter
 
         draft = self.draft()
         return ModelDrafter(draft) if draft is not None else NgramDrafter()

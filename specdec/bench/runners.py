@@ -166,7 +166,7 @@ class LocalRunner(Runner):
         import asyncio
 
         from specdec.completion import Chunk
-        from specdec.sampling import SamplingParams
+        from specdec.wire_types import SamplingParams
 
         prompt_ids = encode(self.target.tokenizer, messages, prompt)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
@@ -210,7 +210,7 @@ class HFRunner(Runner):
         import torch
         from transformers.generation.streamers import BaseStreamer
 
-        from specdec.sampling import GREEDY_TEMPERATURE
+        from specdec.wire_types import GREEDY_TEMPERATURE
 
         tokenizer = self.target.tokenizer
         prompt_ids = encode(tokenizer, messages, prompt)

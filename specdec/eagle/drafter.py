@@ -13,12 +13,13 @@ from pathlib import Path
 
 import torch
 
-from specdec.drafters import DraftSession, Drafter, choose_draft
+from specdec.drafters import choose_draft
+from specdec.drafting import DraftSession, Drafter
 from specdec.eagle.drafting import HeadSession
 from specdec.eagle.head import EagleHead, TargetTensors
 from specdec.lm import LoadedModel
 from specdec.models import resolve_model_path
-from specdec.sampling import DraftProposal, SamplingParams
+from specdec.wire_types import DraftProposal, SamplingParams
 from specdec.target_features import WIRE_DTYPE, TargetFeatures
 from specdec.wire_types import FieldError
 
