@@ -521,14 +521,14 @@ def test_a_failed_single_session_forward_rolls_its_cache_back(tiny_target, monke
         raise RuntimeError("device lost")
 
     if tiny_target.lean is not None:  # the lean runtime's single-session pass: the last layer's first product fails
-        replica, products = tiny_target.lean.plan.replica(2), []
-        multiply = replica.mm_numpy
+        backend, products = tiny_target.lean.plan.backend(2), []
+        multiply = backend.mm_numpy
 
         def failing(x, handle):
             products.append(x.shape)
             return broken() if len(products) == 4 * last + 1 else multiply(x, handle)
 
-        monkeypatch.setattr(replica, "mm_numpy", failing)
+        monkeypatch.setattr(backend, "mm_numpy", failing)
     else:
         monkeypatch.setattr(tiny_target.model.model.layers[last], "forward", broken)  # the first layers grow
     with pytest.raises(RuntimeError, match="device lost"):
