@@ -160,7 +160,7 @@ class CancellingDrafter:
     def __init__(self, link: RemoteDrafter, stub, mode: str, at: int) -> None:
         self.link, self.stub, self.mode, self.at = link, stub, mode, at
         self.calls = 0
-        self.after: list[int] = []  # drafts proposed once the stream ended
+        self.after: list[int] = []  # drafts proposed once the stream had ended (known before the call)
 
     async def propose(self, committed, k):
         self.calls += 1
@@ -176,8 +176,9 @@ class CancellingDrafter:
                     self.stub.CancelDraft(drafter_pb2.CancelDraftRequest(session_id=self.link.session_id), timeout=5))
             else:
                 self.link.call.cancel()
+        ended = self.link.broken is not None
         proposal = await self.link.propose(committed, k)
-        if self.calls >= self.at:
+        if ended:
             self.after.append(len(proposal))
         return proposal
 
@@ -214,7 +215,8 @@ def test_drafter_stream_ended_mid_request_continues_exactly_at_k0(drafter_servic
     assert result.token_ids == expected
     assert result.finish_reason == "length"
     assert link.broken is not None
-    assert drafter.after and all(n == 0 for n in drafter.after[1:]), drafter.after  # plain decoding from then on
+    # Plain decoding from the moment the link knew: a racing cancel may land a proposal or two late.
+    assert drafter.after and all(n == 0 for n in drafter.after), drafter.after
     assert result.stats.draft_tokens > 0  # it did draft before
 
 
