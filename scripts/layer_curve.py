@@ -20,12 +20,21 @@ process (at one thread it leaves out the waits for a core) and the largest logit
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
 NEW = HERE.parents[1]
+
+
+def weights_as_before(weights):
+    """``weights`` as 749b008's code reads them (its LM head was ``head``), sharing every tensor."""
+    before = type("WeightsBefore", (type(weights),), {"head": property(lambda self: self.lm_head)})
+    view = copy.copy(weights)
+    view.__class__ = before
+    return view
 
 
 def load_old_forward(before: Path):
@@ -72,10 +81,10 @@ def alternate(args) -> None:
     else:
         first, second = "before", "after"
         old_model, old_numpy_pass = load_old_forward(args.before)
-        old = old_model(new.w, new.device, table_dir=cache_dir() / "lean-matmul")
+        old = old_model(weights_as_before(new.w), new.device, table_dir=cache_dir() / "lean-matmul")
         # One set of prepared (packed) weights for both, so that only the code around the products differs.
         old.layers, old.head, old.plan = new.layers, new.lm_head, new.plan
-        old.numpy_pass = old_numpy_pass(new.w, new.layers, new.lm_head)
+        old.numpy_pass = old_numpy_pass(weights_as_before(new.w), new.layers, new.lm_head)
         models = {first: old, second: new}
     print(f"lean forward ms, {args.target}, CPU ({cpu_model()}), prefix {args.prefix}, {args.threads} thread(s); "
           f"{first} and {second} alternate pass by pass, {args.reps} passes each; product backends "
@@ -133,7 +142,7 @@ def numpy_overhead(args) -> None:
 
     for linear in [entry[i] for entry in lean.layers for i in range(1, 5)] + [lean.lm_head]:
         linear.handles["stub"] = int(linear.weight.shape[0])
-    passes = {"before": load_old_forward(args.before)[1](lean.w, lean.layers, lean.lm_head),
+    passes = {"before": load_old_forward(args.before)[1](weights_as_before(lean.w), lean.layers, lean.lm_head),
               "after": NumpyPass(lean.w, lean.layers, lean.lm_head)}
     print(f"numpy pass without its products, ms, {args.target}, CPU ({cpu_model()}), prefix {args.prefix}, "
           f"{args.threads} thread(s), {args.reps} passes each, alternating")
