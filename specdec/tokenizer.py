@@ -87,14 +87,14 @@ def compile_chat_template(source: str) -> jinja2.Template:
 class ServingTokenizer:
     """A transformers-compatible tokenizer over ``tokenizers`` (the calls the gateway makes)."""
 
-    def __init__(self, backend: Tokenizer, config: dict, chat_template: str | None) -> None:
-        self.backend = backend
+    def __init__(self, fast_tokenizer: Tokenizer, config: dict, chat_template: str | None) -> None:
+        self.fast_tokenizer = fast_tokenizer
         self.chat_template = chat_template
         self.special_tokens = {name: text for name in SPECIAL_TOKEN_NAMES
                                if (text := _token_text(config.get(name))) is not None}
         # transformers skips this clean-up for BPE models (it would strip real spaces before punctuation).
         self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces")) and (
-            type(backend.model).__name__ != "BPE"
+            type(fast_tokenizer.model).__name__ != "BPE"
             or bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")))
         self._compiled: jinja2.Template | None = None
 
@@ -106,10 +106,10 @@ class ServingTokenizer:
         return cls(Tokenizer.from_file(str(directory / TOKENIZER_FILE)), config, _template(config, directory))
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
-        return {"input_ids": self.backend.encode(text, add_special_tokens=add_special_tokens).ids}
+        return {"input_ids": self.fast_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids}
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        text = self.fast_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
         if self.clean_up_spaces:
             for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
                                   (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
@@ -117,10 +117,10 @@ class ServingTokenizer:
         return text
 
     def get_vocab(self) -> dict[str, int]:
-        return self.backend.get_vocab(with_added_tokens=True)
+        return self.fast_tokenizer.get_vocab(with_added_tokens=True)
 
     def __len__(self) -> int:
-        return self.backend.get_vocab_size(with_added_tokens=True)
+        return self.fast_tokenizer.get_vocab_size(with_added_tokens=True)
 
     def apply_chat_template(self, conversation: list[dict], tokenize: bool = False,
                             add_generation_prompt: bool = False) -> str:

@@ -163,7 +163,7 @@ class BatchInfo:
 
     def trace_attributes(self) -> dict:
         """The step attributes services add to their traces."""
-        return {"batch_size": self.size, "batch_tokens": self.tokens, "queue_wait_ms": round(self.queue_wait_s * 1e3, 3),
+        return {"batch_size": self.size, "batch_tokens": self.num_tokens, "queue_wait_ms": round(self.queue_wait_s * 1e3, 3),
                 "pass_ms": round(self.pass_s * 1e3, 3)}
 
 

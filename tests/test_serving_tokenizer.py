@@ -49,7 +49,7 @@ def test_the_vocabulary_and_fingerprint_match(both):
 
 def test_a_template_that_raises_names_the_messages(both, tmp_path):
     ours, _ = both
-    ours = ServingTokenizer(ours.backend, {"eos_token": "<|im_end|>"},
+    ours = ServingTokenizer(ours.fast_tokenizer, {"eos_token": "<|im_end|>"},
                             "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}"
                             "{{ eos_token }}{{ messages | tojson }}")
     assert ours.apply_chat_template([{"role": "user", "content": "é<"}]) == '<|im_end|>[{"role": "user", "content": "é<"}]'
@@ -58,7 +58,7 @@ def test_a_template_that_raises_names_the_messages(both, tmp_path):
     with pytest.raises(jinja2.TemplateError, match="first must be user"):
         ours.apply_chat_template([{"role": "system", "content": "x"}])
     with pytest.raises(ValueError, match="no chat template"):
-        ServingTokenizer(ours.backend, {}, None).apply_chat_template([{"role": "user", "content": "x"}])
+        ServingTokenizer(ours.fast_tokenizer, {}, None).apply_chat_template([{"role": "user", "content": "x"}])
 
 
 @pytest.mark.embedded
