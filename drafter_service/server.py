@@ -11,6 +11,7 @@ from specdec.drafters import ModelDrafter
 from specdec.drafting import Drafter, DraftSession, NgramDrafter
 from specdec.eagle.drafter import EagleDrafter
 from specdec.eagle.target_rows import read_target
+from specdec.lm import model_threads
 from specdec.models import EMBEDDED_DRAFT, EMBEDDED_TARGET, LoadedModel, default_eagle_head, load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.replay import REPLAY_WIRE_METHOD, ReplayDrafter
 from specdec.rpc import convert
@@ -70,7 +71,8 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
             raise SystemExit(f"unknown draft method {method!r}")
         await loop.run_in_executor(self.executor, self._warm_up)
         await self.runtime.set_serving(True)
-        log.info("drafter serving method=%s model=%s threads=%d", method, draft_model, await self.model_threads())
+        log.info("drafter serving method=%s model=%s threads=%d", method, draft_model,
+                 await self._run(model_threads, getattr(self, "lm", None)))
 
     def _warm_up(self) -> None:
         session = self.drafter.start([0, 1, 2, 3], SamplingParams(max_new_tokens=4))

@@ -194,3 +194,10 @@ def logits_to(logits: torch.Tensor, on_device: bool) -> torch.Tensor:
     drafter pick tokens there and read back only those), or copied to the host."""
     return logits if on_device else logits.cpu()
 
+
+
+def model_threads(lm: LoadedModel | None) -> int:
+    """CPU threads a service's model passes run on: llama.cpp's on the gguf runtime, else torch's
+    (``serve --threads``; torch's default). Call it on the model thread."""
+    gguf = lm.gguf if lm is not None else None
+    return gguf.context.threads if gguf is not None else torch.get_num_threads()

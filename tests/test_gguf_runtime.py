@@ -22,7 +22,8 @@ from specdec.drafters import ModelDrafter
 from specdec.drafting import ScriptedDrafter
 from specdec.engine import LocalDrafter, LocalVerifier, collect, generate, run_sync
 from specdec.gguf.build import LIBRARY_ENV, built_dir
-from specdec.gguf.runtime import POSITIONS_ENV, SEQUENCES_ENV, THREADS_ENV, SequencesExhausted
+from specdec.gguf import SequencesExhausted
+from specdec.gguf.runtime import POSITIONS_ENV, SEQUENCES_ENV, THREADS_ENV
 from specdec.kv import KVSession
 from specdec.local import LocalEngine
 from specdec.models import CACHE_ENV, EMBEDDED_GGUF, ModelLoadError, load_model, load_tokenizer, tokenizer_fingerprint

@@ -9,6 +9,7 @@ import time
 
 from specdec import telemetry
 from specdec.costs import measure_forward_curve
+from specdec.lm import model_threads
 from specdec.models import MAX_VOCAB_PADDING, LoadedModel, load_model
 from specdec.rpc import convert
 from specdec.rpc.server import NotReady, idle_guard, ServiceRuntime, map_errors, map_unary_errors
@@ -47,7 +48,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
         self.fit_sessions_to(self.lm)
         await loop.run_in_executor(self.executor, self._warm_up)
         await self.runtime.set_serving(True)
-        log.info("verifier serving %s threads=%d", target, await self.model_threads())
+        log.info("verifier serving %s threads=%d", target, await self._run(model_threads, self.lm))
 
     def _warm_up(self) -> None:
         from specdec.wire_types import SamplingParams

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specdec.gguf import SequencesExhausted
 from specdec.gguf.binding import LlamaContext
 
 SEQUENCES_ENV = "SPECDEC_GGUF_SEQUENCES"  # sequences (sessions) one context holds
@@ -44,10 +45,6 @@ DEFAULT_SEQUENCES = 16
 # other sessions' rounds under load).
 MAX_TOKENS_PER_DECODE = 63
 DEFAULT_POSITIONS = 2048
-
-
-class SequencesExhausted(RuntimeError):
-    """Every sequence of the context is held by a live session."""
 
 
 def _env_int(name: str, default: int) -> int:

@@ -11,6 +11,7 @@ from specdec.rpc.scheduler import BatchingOptions, BatchScheduler
 from specdec.rpc.security import peer_host
 from specdec.rpc.server import Overloaded, SessionNotFound
 from specdec.telemetry import ServiceMetrics
+from specdec.gguf import SequencesExhausted
 from specdec.wire_types import FieldError
 
 log = logging.getLogger(__name__)
@@ -134,8 +135,6 @@ class ModelWorkerService:
         (``Overloaded`` otherwise, before any state is made). ``make`` runs on the model thread, so
         the sessions closed before it have returned their state (a gguf context's sequence) by then;
         a context out of sequences all the same is overload too."""
-        from specdec.gguf.runtime import SequencesExhausted
-
         self.sessions.admit(peer)
         making = asyncio.ensure_future(self._run(make))
         try:
@@ -154,14 +153,6 @@ class ModelWorkerService:
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-
-    async def model_threads(self) -> int:
-        """CPU threads the model's passes run on: llama.cpp's on the gguf runtime, else torch's
-        (``serve --threads``; torch's default)."""
-        import torch
-
-        gguf = getattr(getattr(self, "lm", None), "gguf", None)
-        return gguf.context.threads if gguf is not None else await self._run(torch.get_num_threads)
 
     async def _batched(self, job, num_tokens: int):
         """``(result, BatchInfo)`` of ``job`` served in a batched pass with other sessions' jobs."""
