@@ -17,11 +17,10 @@ from specdec.replay import REPLAY_WIRE_METHOD, ReplayDrafter
 from specdec.rpc import convert
 from specdec.rpc.server import NotReady, idle_guard, ServiceRuntime, map_errors, map_unary_errors
 from specdec.rpc.sessions import ModelWorkerService, validate_session_id
-from specdec.wire_types import DraftProposal, SamplingParams, with_random_seed
+from specdec.wire_types import DraftProposal, FieldError, SamplingParams, with_random_seed
 from specdec.service_config import DrafterConfig
 from specdec.target_features import decode_features
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, types_pb2
-from specdec.wire_types import FieldError
 
 log = logging.getLogger("specdec.drafter")
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name

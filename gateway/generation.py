@@ -27,7 +27,7 @@ from specdec.prompts import encode_chat, encode_text
 from specdec.rpc.server import NotReady, Overloaded, ServiceRuntime
 from specdec.telemetry.logs import printable
 from specdec.tokenizer import tokenizer_fingerprint
-from specdec.wire_types import FieldError, SamplingParams, is_utf8, with_random_seed
+from specdec.wire_types import MAX_NEW_TOKENS_CAP, FieldError, SamplingParams, is_utf8, with_random_seed
 
 from gateway.links import RemoteDrafter
 from gateway.migration import MigratingVerifier
@@ -47,7 +47,7 @@ ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for system message
 class GatewayLimits:
     max_sessions: int = 64
     max_prompt_tokens: int = 4096
-    max_new_tokens: int = 2048
+    max_new_tokens: int = MAX_NEW_TOKENS_CAP
     default_max_new_tokens: int = 128
     max_draft_tokens: int = 16
     max_stop_strings: int = 16

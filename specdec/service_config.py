@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 from specdec.pass_options import add_model_flags
 from specdec.telemetry.export import DETAILS
+from specdec.wire_types import MAX_NEW_TOKENS_CAP
 
 if TYPE_CHECKING:  # the option types' modules import torch; the parser must not
     from gateway.generation import GatewayLimits, LinkOptions
@@ -199,7 +200,7 @@ def add_role_parsers(roles) -> None:
     """``specdec serve``'s three roles and their flags, on the subparsers action ``roles``."""
     verifier = roles.add_parser("verifier")
     verifier.add_argument("--target", default=DEFAULT_TARGET)
-    verifier.add_argument("--max-new-tokens-cap", type=int, default=2048,
+    verifier.add_argument("--max-new-tokens-cap", type=int, default=MAX_NEW_TOKENS_CAP,
                           help="the most tokens one session may generate, whatever its request asks (a larger "
                                "sampling.max_new_tokens is refused)")
     verifier.add_argument("--no-verify-ahead", action="store_true",
@@ -233,7 +234,7 @@ def add_role_parsers(roles) -> None:
                          help=f"require one of these API keys (one per line; env {API_KEYS_FILE_ENV}; also the "
                               f"comma-separated keys in {API_KEYS_ENV})")
     gateway.add_argument("--max-prompt-tokens", type=int, default=4096)
-    gateway.add_argument("--max-new-tokens-cap", type=int, default=2048)
+    gateway.add_argument("--max-new-tokens-cap", type=int, default=MAX_NEW_TOKENS_CAP)
     gateway.add_argument("--default-max-new-tokens", type=int, default=128)
     gateway.add_argument("--max-draft-tokens", type=int, default=16)
     gateway.add_argument("--verifier-wait", type=float, default=30.0,

@@ -13,9 +13,8 @@ from specdec.lm import LoadedModel
 from specdec.ragged import ForwardRow, batched_forward
 from specdec.randomness import position_keys
 from specdec.sampling import STREAM_VERIFY, greedy_tokens, process_logits
-from specdec.wire_types import DraftProposal, SamplingParams
+from specdec.wire_types import DraftProposal, FieldError, SamplingParams, Verdict
 from specdec.target_features import WIRE_DTYPE, TargetFeatures
-from specdec.wire_types import FieldError, Verdict
 
 
 class TargetSession:

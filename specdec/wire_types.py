@@ -48,6 +48,11 @@ def is_utf8(text: str) -> bool:
     return True
 
 
+# The most tokens one request may ask for by default (the gateway's and the verifier's
+# --max-new-tokens-cap): a session's KV and its time on a replica stay bounded.
+MAX_NEW_TOKENS_CAP = 2048
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples. ``temperature`` below ``GREEDY_TEMPERATURE`` (0 included) means greedy

@@ -14,25 +14,23 @@ from specdec.models import MAX_VOCAB_PADDING, LoadedModel, load_model
 from specdec.rpc import convert
 from specdec.rpc.server import NotReady, idle_guard, ServiceRuntime, map_errors, map_unary_errors
 from specdec.rpc.sessions import ModelWorkerService, validate_session_id
-from specdec.wire_types import DraftProposal, with_random_seed
+from specdec.wire_types import MAX_NEW_TOKENS_CAP, BatchInfo, DraftProposal, FieldError, with_random_seed
 from specdec.service_config import VerifierConfig
 from specdec.target_features import WIRE_DTYPE
 from specdec.v1 import types_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.verification import (PendingForward, PrefillChunk, TargetSession, Verdict, VerifyJob, check_draft_probs,
                                   verify_batch)
-from specdec.wire_types import BatchInfo, FieldError
 
 log = logging.getLogger("specdec.verifier")
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 FORWARD_CURVE_MAX_DRAFTS = 16  # the start-up timing covers k = 0..16 (the policy extends it beyond)
 FORWARD_CURVE_REPS = 3
-DEFAULT_MAX_NEW_TOKENS_CAP = 2048  # --max-new-tokens-cap: what one session may generate, whatever it asks
 
 
 class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
     role = "verifier"
 
-    def __init__(self, runtime: ServiceRuntime, max_new_tokens_cap: int = DEFAULT_MAX_NEW_TOKENS_CAP,
+    def __init__(self, runtime: ServiceRuntime, max_new_tokens_cap: int = MAX_NEW_TOKENS_CAP,
                  verify_ahead: bool = True, **kwargs) -> None:
         super().__init__(runtime, **kwargs)
         self.max_new_tokens_cap = max_new_tokens_cap

@@ -19,9 +19,8 @@ from specdec.eagle.drafting import HeadSession
 from specdec.eagle.head import EagleHead, TargetTensors
 from specdec.lm import LoadedModel
 from specdec.models import resolve_model_path
-from specdec.wire_types import DraftProposal, SamplingParams
+from specdec.wire_types import DraftProposal, FieldError, SamplingParams
 from specdec.target_features import WIRE_DTYPE, TargetFeatures
-from specdec.wire_types import FieldError
 
 
 # The LM head's ids while drafting: the most frequent 4096 of the 16384 trained. A smaller head halves the
