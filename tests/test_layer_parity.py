@@ -119,7 +119,7 @@ def test_the_eagle_heads_layer_is_the_lean_layer():
         from_head = head.layer(x, cos, sin, lambda q, k, v: head_attention(q, k, v, causal))[0]
         kv = lean.new_kv(capacity=n)
         cos, sin = rope_tables(positions.float(), lean._inv_freq, lean.w.rope_scale)
-        params = lean._bound_layers("torch")[-1]
+        params = lean.bound_layers("torch")[-1]
         index = len(lean.layers) - 1
 
         def attend(q_and_k, v):

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from specdec.lean import attention
 from specdec.lean.kv import LeanKV
-from specdec.lean.layer import TORCH, LayerParams, LayerShape, bind_layers, decoder_layer, rope_tables
+from specdec.lean.layer import TORCH, BoundLayers, LayerShape, decoder_layer, rope_tables
 from specdec.lean.matmul import BUCKETS, Linear, MatmulPlan
 from specdec.lean.numpy_pass import NumpyPass
 from specdec.lean.static import SlotPool, StaticPasses
@@ -58,7 +58,7 @@ class LeanModel:
         self.plan = MatmulPlan(linears, self.device, backend=backend, buckets=buckets, reps=reps,
                                timed=self._timed_subset(timed_bytes), table_dir=table_dir)
         self._inv_freq = weights.inv_freq.to(self.device)
-        self._bound: dict[str, list[LayerParams]] = {}  # backend name -> the layers' LayerParams
+        self.bound_layers = BoundLayers(self.layers, TORCH)
         # On CPU a single session's pass keeps its activations in numpy (numpy_pass: per-op cost).
         self.numpy_pass = (NumpyPass(weights, self.layers, self.lm_head)
                            if self.device.type == "cpu" and self.dtype == torch.float32 else None)
@@ -159,7 +159,7 @@ class LeanModel:
         attend = self._session_attention(kvs[0], pasts[0], fed[0]) if len(kvs) == 1 else \
             self._ragged_attention(kvs, pasts, fed, starts)
         backend = self.plan.backend(total)
-        params = self._bound_layers(backend.name)
+        params = self.bound_layers(backend.name)
         with self.plan.regime(backend):
             x = F.embedding(ids, w.embed)
             for index, p in enumerate(params):
@@ -190,12 +190,6 @@ class LeanModel:
         full = torch.full((logits.shape[0], self.logits_width), -torch.inf, device=logits.device)
         full[:, self.lm_head_ids] = logits
         return full
-
-    def _bound_layers(self, backend_name: str) -> list[LayerParams]:
-        params = self._bound.get(backend_name)
-        if params is None:
-            params = self._bound[backend_name] = bind_layers(self.layers, backend_name, TORCH)
-        return params
 
     def _session_attention(self, kv: LeanKV, past: int, count: int) -> Callable:
         """``attend(q_and_k, v, index)`` for a pass of one session: views of its buffers; a long

@@ -154,6 +154,21 @@ def decoder_layer(x, p: LayerParams, shape: LayerShape, mm: Callable, attend: Ca
     return x + mm(xp.silu_mul(gate_up, shape.intermediate), p.down)
 
 
+class BoundLayers:
+    """``bound(backend_name)``: a lean model's layers as ``LayerParams`` for that backend, bound at its
+    first pass and kept (the plan's handles are fixed once it is made)."""
+
+    def __init__(self, layers, xp: ArrayOps) -> None:
+        self.layers, self.xp = layers, xp
+        self._by_backend: dict[str, list[LayerParams]] = {}
+
+    def __call__(self, backend_name: str) -> list[LayerParams]:
+        params = self._by_backend.get(backend_name)
+        if params is None:
+            params = self._by_backend[backend_name] = bind_layers(self.layers, backend_name, self.xp)
+        return params
+
+
 def bind_layers(layers, backend_name: str, xp: ArrayOps) -> list[LayerParams]:
     """``LayerParams`` for a lean model's ``(LayerWeights, qkv, o, gate_up, down)`` entries: the
     ``Linear``s' handles for one backend, norms and bias as ``xp``'s arrays (numpy: views, no copy)."""

@@ -25,7 +25,7 @@ import torch
 
 from specdec.lean import attention
 from specdec.lean.kv import LeanKV
-from specdec.lean.layer import NUMPY, LayerShape, bind_layers, decoder_layer, rope_tables
+from specdec.lean.layer import NUMPY, BoundLayers, LayerShape, decoder_layer, rope_tables
 from specdec.lean.matmul import Backend
 from specdec.lean.weights import LeanWeights
 
@@ -44,8 +44,7 @@ class NumpyPass:
         self.kernel = attention.NumpyKernel(w.head_dim ** -0.5)
         self.embed = w.embed.numpy()
         self.final_norm = w.final_norm.numpy()
-        self.layers = layers
-        self._bound: dict[str, list] = {}  # backend name -> the layers' LayerParams (handles bound once)
+        self.bound_layers = BoundLayers(layers, NUMPY)
         self.lm_head = lm_head
         self.inv_freq = w.inv_freq.float().numpy()
         self.rope_scale = w.rope_scale
@@ -68,9 +67,7 @@ class NumpyPass:
         # A pass of one block (decode steps and verify passes, as a rule) builds its causal bias once.
         mask = kernel.causal(past, 0, count) if block >= count else None
         mm, name = backend.mm_numpy, backend.name
-        params = self._bound.get(name)
-        if params is None:
-            params = self._bound[name] = bind_layers(self.layers, name, NUMPY)
+        params = self.bound_layers(name)
         attend_session, heads = attention.attend_session, shape.heads
         x = self.embed[ids]
         for index, p in enumerate(params):

@@ -250,7 +250,7 @@ class StaticPasses:
         slot_rows = b.slots[:, None].expand(sessions, tokens)
         kernel, heads = self._kernel, w.heads
         x = F.embedding(b.ids.view(sessions * tokens), w.embed)
-        for index, p in enumerate(m._bound_layers(name)):
+        for index, p in enumerate(m.bound_layers(name)):
             keys, values = self.pool.keys[index], self.pool.values[index]  # [slots, kv_heads, S, dim]
 
             def attend(q_and_k, v):
