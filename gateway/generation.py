@@ -34,7 +34,9 @@ from gateway.migration import MigratingVerifier
 from gateway.pools import ReplicaPool
 
 log = logging.getLogger("specdec.gateway")
-METHODS = ("auto", "model", "eagle", "ngram", "none")
+METHODS = ("auto", "model", "eagle", "ngram", "suffix", "none")
+DRAFTING_METHODS = ("model", "eagle", "ngram", "suffix")  # what ``auto_methods`` may name
+MAX_CACHE_SCOPE_LENGTH = 128
 # What "auto" drafts with: the first of these a ready drafter service offers, else n-gram lookup here.
 # The independent draft leads while it accepts more than the EAGLE head on the embedded target
 # (measured: docs/benchmarks.md, the head's model card); a deployment with only an eagle drafter gets it.
@@ -80,7 +82,8 @@ class GenerationRequest:
     """One request as a front hands it over. Exactly one of ``prompt``, ``messages`` (``(role,
     content)`` pairs; any sized iterable, read only after its length passed the limit) and
     ``prompt_token_ids`` is set. ``sampling`` is not validated yet; its ``max_new_tokens`` 0 means
-    the gateway's default. ``method`` "" = auto; ``draft_ahead`` None = the gateway's default."""
+    the gateway's default. ``method`` "" = auto; ``draft_ahead`` None = the gateway's default.
+    ``tenant`` is the front's to set from the credentials it checked, never from the body."""
 
     request_id: str = ""
     prompt: str = ""
@@ -90,6 +93,9 @@ class GenerationRequest:
     method: str = ""
     num_draft_tokens: int = 0
     draft_ahead: bool | None = None
+    cache_scope: str = ""  # narrows the tenant's suffix cache ("" = the tenant's shared scope)
+    auto_methods: Sequence[str] = ()  # what "auto" may choose among (() = every method this stack has)
+    tenant: str = ""  # set by the front from the API key it checked (``tenant_of``), never by the client
 
     @property
     def operation(self) -> str:
@@ -256,6 +262,11 @@ class GatewayCore:
         if method in ("model", "eagle") and self.drafters.offers(method) is False:
             raise FieldError("speculation.method", f"{method!r} needs a drafter service of that method and "
                              "this gateway has none")
+        if len(request.cache_scope) > MAX_CACHE_SCOPE_LENGTH or not is_utf8(request.cache_scope):
+            raise FieldError("speculation.cache_scope", f"at most {MAX_CACHE_SCOPE_LENGTH} characters of valid Unicode")
+        unknown = next((m for m in request.auto_methods if m not in DRAFTING_METHODS), None)
+        if unknown is not None:
+            raise FieldError("speculation.auto_methods", f"{unknown!r} is not one of {', '.join(DRAFTING_METHODS)}")
         k = request.num_draft_tokens
         if k < 0:
             raise FieldError("speculation.num_draft_tokens", f"{k} is negative")

@@ -45,7 +45,7 @@ import time
 
 from aiohttp import web
 
-from specdec.rpc.security import key_is_valid, presented_key
+from specdec.rpc.security import key_is_valid, presented_key, tenant_of
 from specdec.rpc.server import ServeOptions
 from specdec.telemetry.logs import printable
 
@@ -266,6 +266,8 @@ class HttpFront:
         except ApiError as error:
             return await self._refuse(request, error)
         request_id = api.generation.request_id
+        api.generation.tenant = tenant_of(presented_key([(name.lower(), value) for name, value in request.headers.items()]),
+                                          bool(self.api_keys))
         headers = {REQUEST_ID_HEADER: request_id}  # as OpenAI's: the id a refusal can be traced by
         obs = core.request_telemetry(api.generation, {"http.request.method": request.method, "http.route": route,
                                                       "url.scheme": "https" if self.tls else "http",

@@ -144,7 +144,8 @@ def parse_request(body, kind: str, model_name: str, request_id: str) -> ApiReque
     speculation = parsed.speculation
     speculation_fields = {} if speculation is None else {
         "method": speculation.method or "", "num_draft_tokens": speculation.num_draft_tokens or 0,
-        "draft_ahead": speculation.draft_ahead}
+        "draft_ahead": speculation.draft_ahead, "cache_scope": speculation.cache_scope or "",
+        "auto_methods": speculation.auto_methods or ()}
     generation = GenerationRequest(request_id=request_id, sampling=sampling, **inputs, **speculation_fields)
     return ApiRequest(kind, generation, stream=stream, include_usage=include_usage,
                       return_token_ids=bool(parsed.return_token_ids), names=names)

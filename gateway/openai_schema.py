@@ -20,7 +20,7 @@ from pydantic_core import PydanticCustomError
 
 from specdec.wire_types import FieldError, is_utf8
 
-SPECULATION_FIELDS = ("method", "num_draft_tokens", "draft_ahead")
+SPECULATION_FIELDS = ("method", "num_draft_tokens", "draft_ahead", "cache_scope", "auto_methods")
 
 # Fields specdec does not implement, refused unless they hold the value that turns them off (so
 # that a client never silently gets something other than what it asked for).
@@ -128,6 +128,8 @@ class Speculation(BaseModel):
     method: Text | None = None
     num_draft_tokens: StrictInt | None = None
     draft_ahead: StrictBool | None = None
+    cache_scope: Text | None = None
+    auto_methods: tuple[Text, ...] | None = None
 
 
 class StreamOptions(BaseModel):

@@ -9,6 +9,7 @@ import contextlib
 
 from specdec.rpc import convert
 from specdec.rpc.server import ServiceRuntime, map_errors
+from specdec.rpc.security import presented_key, tenant_of
 from specdec.service_config import GatewayConfig
 from specdec.tokenizer import load_serving_tokenizer
 from specdec.v1 import drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier_pb2_grpc
@@ -55,14 +56,17 @@ def request_from_pb(request: gateway_pb2.GenerateRequest) -> GenerationRequest:
         method=speculation.method,
         num_draft_tokens=speculation.num_draft_tokens,
         draft_ahead=DRAFT_AHEAD_FROM_PB[speculation.draft_ahead],
+        cache_scope=speculation.cache_scope,
+        auto_methods=tuple(speculation.auto_methods),
     )
 
 
 class GatewayService(gateway_pb2_grpc.GatewayServicer):
     """``Generate`` over ``GatewayCore.generate``: protobuf in, protobuf out."""
 
-    def __init__(self, core: GatewayCore) -> None:
+    def __init__(self, core: GatewayCore, keys_checked: bool = False) -> None:
         self.core = core
+        self.keys_checked = keys_checked  # the server's interceptor refuses a call without a valid key
 
     @map_errors
     async def Generate(self, request, context):
@@ -75,6 +79,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         except ValueError:
             core.rejected_invalid()
             raise
+        generation_request.tenant = tenant_of(presented_key(context.invocation_metadata()), self.keys_checked)
         request_id = generation_request.request_id = generation_request.request_id or new_request_id()
         obs = core.request_telemetry(generation_request, GRPC_SPAN_ATTRIBUTES)
         try:
@@ -130,7 +135,7 @@ async def serve(config: GatewayConfig) -> None:
                 watchers.append(watcher)
     core = GatewayCore(runtime, tokenizer, config.limits, verifiers, drafters, config.link)
     core.model_name = config.target
-    add_gateway_service(GatewayService(core), runtime.server)  # Generate with a deserializer that tolerates bad bytes
+    add_gateway_service(GatewayService(core, bool(options.api_keys)), runtime.server)  # Generate with a deserializer that tolerates bad bytes
     port = await runtime.start()
     http_front = None
     if config.http_port is not None:

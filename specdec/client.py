@@ -62,8 +62,12 @@ def build_request(
     num_draft_tokens: int = 0,
     draft_ahead: bool | None = None,
     request_id: str = "",
+    cache_scope: str = "",
+    auto_methods: Sequence[str] = (),
 ) -> gateway_pb2.GenerateRequest:
-    """``draft_ahead``: None = the gateway's default; True/False = on/off for this request."""
+    """``draft_ahead``: None = the gateway's default; True/False = on/off for this request.
+    ``cache_scope``: a scope of the suffix cache within this client's tenant; ``auto_methods``: what
+    ``method="auto"`` may choose among (empty: every method the stack has)."""
     sampling = types_pb2.SamplingParams(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, stop=list(stop), ignore_eos=ignore_eos
     )
@@ -78,6 +82,7 @@ def build_request(
             method=method, num_draft_tokens=num_draft_tokens,
             draft_ahead={None: gateway_pb2.DRAFT_AHEAD_MODE_UNSPECIFIED, True: gateway_pb2.DRAFT_AHEAD_MODE_ON,
                          False: gateway_pb2.DRAFT_AHEAD_MODE_OFF}[draft_ahead],
+            cache_scope=cache_scope, auto_methods=list(auto_methods),
         ),
     )
     if prompt is not None:

@@ -20,6 +20,7 @@ Health and reflection stay open (probes, grpcurl ``list``).
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import inspect
 import logging
@@ -98,6 +99,15 @@ def presented_key(metadata) -> bytes | None:
         if key == "x-api-key":
             return value.strip().encode()
     return None
+
+
+def tenant_of(presented: bytes | None, keys_checked: bool) -> str:
+    """Who a request's text belongs to, for what the gateway remembers across requests (the suffix
+    cache): a digest of the API key it presented when the gateway checks keys (never the key
+    itself), else "" (one tenant: without keys the gateway cannot tell clients apart)."""
+    if not keys_checked or presented is None:
+        return ""
+    return hashlib.sha256(b"specdec-tenant\0" + presented).hexdigest()[:32]
 
 
 def key_is_valid(presented: bytes | None, keys: list[bytes]) -> bool:

@@ -25,31 +25,31 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import types_pb2 as specdec_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/gateway.proto\x12\nspecdec.v1\x1a\x16specdec/v1/types.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"n\n\x11SpeculationParams\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12/\n\x0b\x64raft_ahead\x18\x03 \x01(\x0e\x32\x1a.specdec.v1.DraftAheadMode\"\xdc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x32\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1d.specdec.v1.SpeculationParams\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xe8\x04\n\x0fGenerationStats\x12\x14\n\x0c\x64raft_method\x18\x01 \x01(\t\x12\x0e\n\x06rounds\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x01\x12\x1f\n\x17per_position_acceptance\x18\x07 \x03(\x01\x12\x0e\n\x06ttft_s\x18\x08 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\t \x01(\x01\x12\x11\n\tk_history\x18\n \x03(\r\x12\x0f\n\x07total_s\x18\x0b \x01(\x01\x12\x0f\n\x07\x64raft_s\x18\x0c \x01(\x01\x12\x10\n\x08verify_s\x18\r \x01(\x01\x12\x14\n\x0c\x61head_blocks\x18\x0e \x01(\r\x12\x12\n\nahead_hits\x18\x0f \x01(\r\x12\x17\n\x0fmean_batch_size\x18\x10 \x01(\x01\x12\x1b\n\x13verify_queue_wait_s\x18\x11 \x01(\x01\x12\x15\n\rshadow_probes\x18\x12 \x01(\r\x12\x17\n\x0fshadow_accepted\x18\x13 \x01(\r\x12\x18\n\x10verify_service_s\x18\x14 \x01(\x01\x12\x15\n\rverify_pass_s\x18\x15 \x01(\x01\x12*\n\x0bround_costs\x18\x16 \x03(\x0b\x32\x15.specdec.v1.RoundCost\x12\x15\n\rfeature_bytes\x18\x17 \x01(\x04\x12\x1f\n\x17\x66\x65\x61ture_bytes_per_round\x18\x18 \x01(\x01\x12\x16\n\x0e\x64rafter_closes\x18\x19 \x01(\r\"p\n\tRoundCost\x12\x12\n\nnum_drafts\x18\x01 \x01(\r\x12\x0e\n\x06rounds\x18\x02 \x01(\r\x12\x10\n\x08verify_s\x18\x03 \x01(\x01\x12\x15\n\rsteady_rounds\x18\x04 \x01(\r\x12\x16\n\x0esteady_draft_s\x18\x05 \x01(\x01\"\xe0\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.specdec.v1.Usage\x12*\n\x05stats\x18\x05 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\r*e\n\x0e\x44raftAheadMode\x12 \n\x1c\x44RAFT_AHEAD_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x44RAFT_AHEAD_MODE_ON\x10\x01\x12\x18\n\x14\x44RAFT_AHEAD_MODE_OFF\x10\x02*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32R\n\x07Gateway\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/gateway.proto\x12\nspecdec.v1\x1a\x16specdec/v1/types.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x99\x01\n\x11SpeculationParams\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12/\n\x0b\x64raft_ahead\x18\x03 \x01(\x0e\x32\x1a.specdec.v1.DraftAheadMode\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x04 \x01(\t\x12\x14\n\x0c\x61uto_methods\x18\x05 \x03(\t\"\xdc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x32\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1d.specdec.v1.SpeculationParams\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xe8\x04\n\x0fGenerationStats\x12\x14\n\x0c\x64raft_method\x18\x01 \x01(\t\x12\x0e\n\x06rounds\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x01\x12\x1f\n\x17per_position_acceptance\x18\x07 \x03(\x01\x12\x0e\n\x06ttft_s\x18\x08 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\t \x01(\x01\x12\x11\n\tk_history\x18\n \x03(\r\x12\x0f\n\x07total_s\x18\x0b \x01(\x01\x12\x0f\n\x07\x64raft_s\x18\x0c \x01(\x01\x12\x10\n\x08verify_s\x18\r \x01(\x01\x12\x14\n\x0c\x61head_blocks\x18\x0e \x01(\r\x12\x12\n\nahead_hits\x18\x0f \x01(\r\x12\x17\n\x0fmean_batch_size\x18\x10 \x01(\x01\x12\x1b\n\x13verify_queue_wait_s\x18\x11 \x01(\x01\x12\x15\n\rshadow_probes\x18\x12 \x01(\r\x12\x17\n\x0fshadow_accepted\x18\x13 \x01(\r\x12\x18\n\x10verify_service_s\x18\x14 \x01(\x01\x12\x15\n\rverify_pass_s\x18\x15 \x01(\x01\x12*\n\x0bround_costs\x18\x16 \x03(\x0b\x32\x15.specdec.v1.RoundCost\x12\x15\n\rfeature_bytes\x18\x17 \x01(\x04\x12\x1f\n\x17\x66\x65\x61ture_bytes_per_round\x18\x18 \x01(\x01\x12\x16\n\x0e\x64rafter_closes\x18\x19 \x01(\r\"p\n\tRoundCost\x12\x12\n\nnum_drafts\x18\x01 \x01(\r\x12\x0e\n\x06rounds\x18\x02 \x01(\r\x12\x10\n\x08verify_s\x18\x03 \x01(\x01\x12\x15\n\rsteady_rounds\x18\x04 \x01(\r\x12\x16\n\x0esteady_draft_s\x18\x05 \x01(\x01\"\xe0\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.specdec.v1.Usage\x12*\n\x05stats\x18\x05 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\r*e\n\x0e\x44raftAheadMode\x12 \n\x1c\x44RAFT_AHEAD_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x44RAFT_AHEAD_MODE_ON\x10\x01\x12\x18\n\x14\x44RAFT_AHEAD_MODE_OFF\x10\x02*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32R\n\x07Gateway\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DRAFTAHEADMODE']._serialized_start=1464
-  _globals['_DRAFTAHEADMODE']._serialized_end=1565
-  _globals['_FINISHREASON']._serialized_start=1567
-  _globals['_FINISHREASON']._serialized_end=1662
+  _globals['_DRAFTAHEADMODE']._serialized_start=1508
+  _globals['_DRAFTAHEADMODE']._serialized_end=1609
+  _globals['_FINISHREASON']._serialized_start=1611
+  _globals['_FINISHREASON']._serialized_end=1706
   _globals['_CHATMESSAGE']._serialized_start=64
   _globals['_CHATMESSAGE']._serialized_end=108
-  _globals['_SPECULATIONPARAMS']._serialized_start=110
-  _globals['_SPECULATIONPARAMS']._serialized_end=220
-  _globals['_GENERATEREQUEST']._serialized_start=223
-  _globals['_GENERATEREQUEST']._serialized_end=443
-  _globals['_USAGE']._serialized_start=445
-  _globals['_USAGE']._serialized_end=502
-  _globals['_GENERATIONSTATS']._serialized_start=505
-  _globals['_GENERATIONSTATS']._serialized_end=1121
-  _globals['_ROUNDCOST']._serialized_start=1123
-  _globals['_ROUNDCOST']._serialized_end=1235
-  _globals['_GENERATERESPONSE']._serialized_start=1238
-  _globals['_GENERATERESPONSE']._serialized_end=1462
-  _globals['_GATEWAY']._serialized_start=1664
-  _globals['_GATEWAY']._serialized_end=1746
+  _globals['_SPECULATIONPARAMS']._serialized_start=111
+  _globals['_SPECULATIONPARAMS']._serialized_end=264
+  _globals['_GENERATEREQUEST']._serialized_start=267
+  _globals['_GENERATEREQUEST']._serialized_end=487
+  _globals['_USAGE']._serialized_start=489
+  _globals['_USAGE']._serialized_end=546
+  _globals['_GENERATIONSTATS']._serialized_start=549
+  _globals['_GENERATIONSTATS']._serialized_end=1165
+  _globals['_ROUNDCOST']._serialized_start=1167
+  _globals['_ROUNDCOST']._serialized_end=1279
+  _globals['_GENERATERESPONSE']._serialized_start=1282
+  _globals['_GENERATERESPONSE']._serialized_end=1506
+  _globals['_GATEWAY']._serialized_start=1708
+  _globals['_GATEWAY']._serialized_end=1790
 # @@protoc_insertion_point(module_scope)

@@ -35,14 +35,18 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("method", "num_draft_tokens", "draft_ahead")
+    __slots__ = ("method", "num_draft_tokens", "draft_ahead", "cache_scope", "auto_methods")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    AUTO_METHODS_FIELD_NUMBER: _ClassVar[int]
     method: str
     num_draft_tokens: int
     draft_ahead: DraftAheadMode
-    def __init__(self, method: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., draft_ahead: _Optional[_Union[DraftAheadMode, str]] = ...) -> None: ...
+    cache_scope: str
+    auto_methods: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, method: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., draft_ahead: _Optional[_Union[DraftAheadMode, str]] = ..., cache_scope: _Optional[str] = ..., auto_methods: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "messages", "prompt_token_ids", "sampling", "speculation")
