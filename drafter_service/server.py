@@ -17,6 +17,7 @@ from specdec.replay import REPLAY_WIRE_METHOD, ReplayDrafter
 from specdec.rpc import convert
 from specdec.rpc.server import NotReady, idle_guard, ServiceRuntime, map_errors, map_unary_errors
 from specdec.rpc.sessions import ModelWorkerService, validate_session_id
+from specdec.suffix import MAX_SCOPE_KEY_BYTES, SuffixConfig, SuffixDrafter
 from specdec.wire_types import DraftProposal, FieldError, SamplingParams, with_random_seed
 from specdec.service_config import DrafterConfig
 from specdec.target_features import decode_features
@@ -39,7 +40,8 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
         self.tokenizer_fingerprint = ""
 
     async def load(self, method: str, draft_model: str | None, device: str | None = None,
-                   replay_file: str | None = None, target: str | None = None) -> None:
+                   replay_file: str | None = None, target: str | None = None,
+                   suffix: SuffixConfig | None = None) -> None:
         loop = asyncio.get_running_loop()
         if method == "eagle":
             draft_model = draft_model or default_eagle_head(target or EMBEDDED_TARGET)
@@ -56,12 +58,14 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
                                                  lambda: load_model(draft_model, device=device, sessions=sessions))
             self.fit_sessions_to(self.lm)
             self.drafter = ModelDrafter(self.lm)
-        elif method in ("ngram", "replay"):
+        elif method in ("ngram", "suffix", "replay"):
             if draft_model:  # only the tokenizer: it identifies the vocabulary for the gateway's pairing check
                 self.tokenizer = await loop.run_in_executor(self.executor, load_tokenizer, draft_model)
                 self.tokenizer_fingerprint = tokenizer_fingerprint(self.tokenizer)
             if method == "ngram":
                 self.drafter = NgramDrafter()
+            elif method == "suffix":
+                self.drafter = SuffixDrafter(suffix)
             elif replay_file:  # benchmarks only (specdec.replay): proposals from recordings, at a chosen acceptance
                 self.drafter = ReplayDrafter(replay_file)
             else:
@@ -108,6 +112,9 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
                     start = request.start
                     validate_session_id(start.session_id)
                     prompt = [int(t) for t in start.prompt_token_ids]
+                    scope = start.cache_scope
+                    if len(scope.encode()) > MAX_SCOPE_KEY_BYTES:
+                        raise FieldError("cache_scope", f"longer than {MAX_SCOPE_KEY_BYTES} bytes")
                     self._validate_ids(prompt, "prompt_token_ids")
                     if len(prompt) >= self.max_context:
                         raise FieldError("prompt_token_ids", f"{len(prompt)} tokens exceed the draft context "
@@ -115,7 +122,8 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
                     # Unseeded (a direct client; the gateway always seeds): a fresh seed, not resolved_seed()'s 0.
                     params = with_random_seed(convert.sampling_from_pb(start.sampling, draft_top_k=start.draft_top_k))
                     session, key = await self.start_session(context.peer(), start.session_id,
-                                                            lambda: drafter.start(prompt, params), cancelled)
+                                                            lambda: drafter.start_in_scope(prompt, params, scope),
+                                                            cancelled)
                     await self._run(session.prefill)
                     if trace is not None:
                         trace.set(session_id=key, prompt_tokens=len(prompt), **{"draft.method": drafter.name})
@@ -258,5 +266,6 @@ async def serve(config: DrafterConfig) -> None:
     runtime.install_signal_handlers()
     print(f"specdec drafter listening on {options.host}:{port}", flush=True)
     await service.load(config.method, config.draft_model, device=config.device, replay_file=config.replay_file,
+                       suffix=config.suffix,
                        target=config.target)
     await runtime.wait_and_drain()

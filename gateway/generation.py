@@ -23,8 +23,10 @@ from specdec.completion import Chunk, CompletionBuilder
 from specdec.drafting import NgramDrafter
 from specdec.engine import GenerationResult, LocalDrafter, generate
 from specdec.policy import AcceptanceMemory, make_policy
+from specdec.policy.method_choice import MethodChooser
 from specdec.prompts import encode_chat, encode_text
 from specdec.rpc.server import NotReady, Overloaded, ServiceRuntime
+from specdec.suffix import MAX_CACHE_SCOPE_LENGTH, SuffixConfig, SuffixDrafter, cache_scope_key
 from specdec.telemetry.logs import printable
 from specdec.tokenizer import tokenizer_fingerprint
 from specdec.wire_types import MAX_NEW_TOKENS_CAP, FieldError, SamplingParams, is_utf8, with_random_seed
@@ -36,11 +38,11 @@ from gateway.pools import ReplicaPool
 log = logging.getLogger("specdec.gateway")
 METHODS = ("auto", "model", "eagle", "ngram", "suffix", "none")
 DRAFTING_METHODS = ("model", "eagle", "ngram", "suffix")  # what ``auto_methods`` may name
-MAX_CACHE_SCOPE_LENGTH = 128
-# What "auto" drafts with: the first of these a ready drafter service offers, else n-gram lookup here.
-# The independent draft leads while it accepts more than the EAGLE head on the embedded target
-# (measured: docs/benchmarks.md, the head's model card); a deployment with only an eagle drafter gets it.
-AUTO_DRAFT_METHODS = ("model", "eagle")
+# What "auto" chooses among, in this order while unmeasured (``MethodChooser``): a draft model or
+# an EAGLE head (a ready drafter service of the method) and suffix lookup (here, or a drafter
+# service of it); n-gram lookup only when a request's auto_methods leave nothing else.
+AUTO_DRAFT_METHODS = ("model", "eagle", "suffix")
+REMOTE_ONLY_METHODS = ("model", "eagle")  # the methods only a drafter service drafts
 ROLES = ("system", "user", "assistant", "tool")
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for system messages (both fronts take it)
 
@@ -120,7 +122,8 @@ class GatewayCore:
     """Validation, admission, replica choice and the speculative loop of every request."""
 
     def __init__(self, runtime: ServiceRuntime, tokenizer, limits: GatewayLimits,
-                 verifiers: ReplicaPool, drafters: ReplicaPool, link_options: LinkOptions | None = None) -> None:
+                 verifiers: ReplicaPool, drafters: ReplicaPool, link_options: LinkOptions | None = None,
+                 suffix: SuffixConfig | None = None) -> None:
         self.runtime = runtime
         self.link_options = link_options or LinkOptions()
         self.tokenizer = tokenizer
@@ -140,6 +143,10 @@ class GatewayCore:
         self.max_positions = 1 << 30
         # Warm starts for adaptive draft lengths, per (draft method, draft model, target model).
         self.acceptance_memory = AcceptanceMemory()
+        # Suffix drafting here (no round trip) when no drafter service of it runs; its cache of
+        # earlier outputs is this gateway's (docs/suffix.md: where it runs, and why).
+        self.suffix_drafter = SuffixDrafter(suffix)
+        self.method_chooser = MethodChooser()
         # Tokenizing (up to limits.prompt_chars characters) runs here, never on the event loop, so
         # a long prompt cannot stall the other streams. One thread: the tokenizer is shared.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-tokenize")
@@ -304,6 +311,28 @@ class GatewayCore:
             raise NotReady(f"no verifier is ready (waited {wait_s:.0f} s)")
         return replica
 
+    # -- the draft method of "auto" ------------------------------------------------------------------
+    def _method_key(self, method: str, draft_model: str, target_model: str):
+        return AcceptanceMemory.make_key(method, draft_model, target_model)
+
+    def _auto_method(self, allowed: Sequence[str], target_model: str) -> str:
+        """What ``auto`` drafts with for a request (``allowed``: its auto_methods, () = any):
+        among the methods this stack has, the one its finished requests measured fastest."""
+        allowed = allowed or DRAFTING_METHODS
+        candidates = []
+        for method in AUTO_DRAFT_METHODS:
+            if method not in allowed:
+                continue
+            replicas = self.drafters.ready(method)
+            if method in REMOTE_ONLY_METHODS and not replicas:
+                continue
+            draft_model = replicas[0].info.model.model if replicas else ""
+            candidates.append((method, self._method_key(method, draft_model, target_model)))
+        chosen = self.method_chooser.choose(candidates)
+        if chosen is not None:
+            return chosen
+        return "ngram" if "ngram" in allowed else "none"
+
     # -- one request -------------------------------------------------------------------------------
     def request_telemetry(self, request: GenerationRequest, attributes: dict | None = None) -> telemetry.RequestTelemetry:
         """The request's span and metrics; ``attributes``: the front's own (route, protocol).
@@ -327,9 +356,10 @@ class GatewayCore:
         except ValueError:
             self.rejected_invalid()
             raise
-        if method == "auto":
-            method = next((m for m in AUTO_DRAFT_METHODS if self.drafters.ready(m)), "ngram")
         verifier_replica = await self._pick_verifier(time_remaining)
+        target_model = verifier_replica.info.model.model
+        if method == "auto":
+            method = self._auto_method(request.auto_methods, target_model)
         self._admit()  # again: others may have been admitted meanwhile (no await from here to active += 1)
         request_id = request.request_id or new_request_id()
         # Downstream session ids are ours, unguessable, never the client's request_id (which another
@@ -344,7 +374,7 @@ class GatewayCore:
             self.metrics.requests.inc()
             links = self.link_options
             # A drafter service of that method if one runs; n-gram lookup can also run right here.
-            drafter_replica = self.drafters.pick(method) if method in ("model", "eagle", "ngram") else None
+            drafter_replica = self.drafters.pick(method) if method in DRAFTING_METHODS else None
             feature_size = drafter_replica.info.feature_size if drafter_replica is not None else 0
             if feature_size and feature_size != verifier_replica.info.feature_size:
                 log.warning("request %s: drafter %s reads features of width %d, verifier %s streams %d; no drafts",
@@ -367,7 +397,8 @@ class GatewayCore:
                                                time_remaining, metadata, net_delay_s=links.net_delay_s,
                                                request_id=request_id, reads_features=feature_size > 0,
                                                max_message_bytes=self.drafters.max_message_bytes,
-                                               vocab_size=self.vocab_size)
+                                               vocab_size=self.vocab_size,
+                                               cache_scope=cache_scope_key(request.tenant, request.cache_scope))
                 if policy.expects_to_draft():
                     # The drafter's prefill overlaps the verifier's. When plain decoding is expected to
                     # win (what this draft pair measured before), the session opens at the first
@@ -377,6 +408,9 @@ class GatewayCore:
                 drafter_link = remote_drafter
             elif method == "ngram":
                 drafter_link = LocalDrafter(NgramDrafter().start(prompt_ids, params))
+            elif method == "suffix":
+                drafter_link = LocalDrafter(self.suffix_drafter.start_in_scope(
+                    prompt_ids, params, cache_scope_key(request.tenant, request.cache_scope)))
             obs.links(verifier, drafter_link, verifier_replica.address,
                       drafter_replica.address if drafter_replica is not None else None,
                       (drafter_replica.info.model.model or None) if drafter_replica is not None else None)
@@ -403,6 +437,9 @@ class GatewayCore:
             async for event in events:
                 if isinstance(event, GenerationResult):
                     obs.finish(event)
+                    stats = event.stats
+                    self.method_chooser.report(self._method_key(method, draft_model, target_model),
+                                               stats.emitted_in_rounds, stats.verify_s + stats.draft_s)
                     self.metrics.draft_tokens.inc(event.stats.draft_tokens)
                     self.metrics.accepted_tokens.inc(event.stats.accepted_tokens)
                     yield Finished(request_id, prompt_ids, event)

@@ -191,7 +191,8 @@ class RemoteDrafter:
     def __init__(self, stub, session_id: str, prompt_ids: list[int], params: SamplingParams,
                  time_remaining: Callable[[], float | None], metadata=None, draft_top_k: int = 0,
                  net_delay_s: float = 0.0, request_id: str = "", reads_features: bool = False,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, vocab_size: int | None = None) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, vocab_size: int | None = None,
+                 cache_scope: str = "") -> None:
         # The stream opens in begin(): a session that never drafts costs the drafter nothing, and
         # one opened late gets the deadline's remaining time then.
         self._stub = stub
@@ -213,6 +214,7 @@ class RemoteDrafter:
         self._ahead_owed = False  # a DraftAhead message is on its way
         self._ahead_tokens = 0  # the size of the block asked to be drafted ahead
         self.vocab_size = vocab_size  # the proposals' ids are checked against it (None: not checked)
+        self.cache_scope = cache_scope  # a suffix drafter's scope for this request's text
         self._continue_write: asyncio.Task | None = None
         # A feature-level drafter (EAGLE): verdicts' target features wait here for the next proposal,
         # the newest of them only, never more than one message holds (``FeatureRelay``).
@@ -287,6 +289,7 @@ class RemoteDrafter:
             prompt_token_ids=self.prompt_ids,
             sampling=convert.sampling_to_pb(self.params),
             draft_top_k=self.draft_top_k,
+            cache_scope=self.cache_scope,
         )
         await _write(self.call, drafter_pb2.DraftRequest(start=start), self.net_delay_s)
         await self._next()

@@ -133,7 +133,7 @@ async def serve(config: GatewayConfig) -> None:
                 )
                 watcher.start()
                 watchers.append(watcher)
-    core = GatewayCore(runtime, tokenizer, config.limits, verifiers, drafters, config.link)
+    core = GatewayCore(runtime, tokenizer, config.limits, verifiers, drafters, config.link, config.suffix)
     core.model_name = config.target
     add_gateway_service(GatewayService(core, bool(options.api_keys)), runtime.server)  # Generate with a deserializer that tolerates bad bytes
     port = await runtime.start()

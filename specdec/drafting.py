@@ -65,6 +65,10 @@ class DraftSession(ABC):
         rest = DraftProposal(block.draft_tokens[1:], None if block.draft_probs is None else block.draft_probs[1:])
         return [int(t) for t in in_flight] + [int(block.draft_tokens[0])], rest
 
+    def finish(self, committed: list[int]) -> None:
+        """The generation ended; ``committed``: its tokens since the last ``extend``. Only a drafter
+        that learns from finished requests (suffix) needs them."""
+
     def prefill(self) -> None:
         """Optionally process the prompt ahead of the first proposal (overlaps the target's prefill)."""
 
@@ -82,6 +86,11 @@ class Drafter(ABC):
     @abstractmethod
     def start(self, prompt_ids: list[int], params: SamplingParams) -> DraftSession:
         """Open a drafting session for one generation."""
+
+    def start_in_scope(self, prompt_ids: list[int], params: SamplingParams, scope: str) -> DraftSession:
+        """``start`` for a request of ``scope`` (its tenant and cache scope). A drafter that remembers
+        across requests (suffix) keeps each scope's text to that scope; the others ignore it."""
+        return self.start(prompt_ids, params)
 
     def propose_batch(self, requests: list[tuple[DraftSession, int]]) -> list[DraftProposal]:
         """``session.propose(k)`` for several sessions of this drafter; model drafters run the

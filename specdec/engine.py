@@ -401,6 +401,9 @@ async def generate(
                 policy.drafter_closed()
                 stats.drafter_closes += 1
             yield chunk
+        finish = getattr(drafter, "finish", None)
+        if finish is not None:  # what the drafter was never told (its last proposal came before these)
+            finish(pending)
     finally:
         if shadow is not None and not shadow.task.done():
             shadow.task.cancel()  # the session is over; the drafter's answer is not needed
@@ -444,6 +447,9 @@ class LocalDrafter:
     async def propose(self, committed: list[int], num_draft_tokens: int) -> DraftProposal:
         self.session.extend(committed)
         return self.session.propose(num_draft_tokens)
+
+    def finish(self, committed: list[int]) -> None:
+        self.session.finish(committed)
 
 
 async def collect(events: AsyncIterator[Chunk | GenerationResult]) -> GenerationResult:

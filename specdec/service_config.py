@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from specdec.pass_options import add_model_flags
+from specdec.suffix import SuffixConfig
 from specdec.telemetry.export import DETAILS
 from specdec.wire_types import MAX_NEW_TOKENS_CAP
 
@@ -109,6 +110,7 @@ class DrafterConfig(ModelServiceConfig):
     method: str
     draft_model: str | None
     replay_file: str | None
+    suffix: SuffixConfig  # --method suffix
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,7 @@ class GatewayConfig(ServiceConfig):
     link: LinkOptions
     http_port: int | None  # None: no HTTP front
     http_limits: HttpLimits
+    suffix: SuffixConfig  # suffix drafting in the gateway
 
 
 # -- flags -------------------------------------------------------------------------------------------
@@ -208,7 +211,7 @@ def add_role_parsers(roles) -> None:
                                "is fed while the next block is on its way: a plain round then needs no pass)")
     _add_serve_flags(verifier, "verifier")
     drafter = roles.add_parser("drafter")
-    drafter.add_argument("--method", choices=["model", "ngram", "eagle", "replay"], default="model",
+    drafter.add_argument("--method", choices=["model", "ngram", "eagle", "suffix", "replay"], default="model",
                          help="eagle: an EAGLE head over the target's streamed features (--draft-model: the head's "
                               "directory; --target: its target); replay: benchmarks only, recorded continuations at "
                               "a chosen acceptance (--replay-file)")
@@ -219,6 +222,7 @@ def add_role_parsers(roles) -> None:
     drafter.add_argument("--replay-file", default=None,
                          help="--method replay: the JSON file specdec bench writes (recordings, acceptance, cost); "
                               "reread whenever it changes")
+    add_suffix_arguments(drafter)
     _add_serve_flags(drafter, "drafter")
     gateway = roles.add_parser("gateway")
     from gateway.http_limits import add_http_limit_arguments
@@ -249,7 +253,28 @@ def add_role_parsers(roles) -> None:
                          help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                               "/v1/models, /health) on this port (off unless set; 'off' or 0: none)")
     add_http_limit_arguments(gateway)
+    add_suffix_arguments(gateway)
     _add_serve_flags(gateway, "gateway")
+
+
+def add_suffix_arguments(p: argparse.ArgumentParser) -> None:
+    """Suffix drafting's flags (the gateway's own, or a drafter service's with --method suffix)."""
+    defaults = SuffixConfig()
+    p.add_argument("--suffix-cache-tokens", type=int, default=defaults.max_cached_tokens,
+                   help="tokens of earlier outputs the suffix cache keeps over every tenant, least recently used "
+                        "first out (0: drafts from the request's own text only)")
+    p.add_argument("--suffix-min-token-prob", type=float, default=defaults.min_token_prob,
+                   help="a suffix draft ends where its estimated probability of acceptance falls below this")
+    p.add_argument("--suffix-spec-factor", type=float, default=defaults.spec_factor,
+                   help="a suffix draft is at most this many tokens per token of the match it continues")
+
+
+def suffix_config(args: argparse.Namespace) -> SuffixConfig:
+    try:
+        return SuffixConfig(max_cached_tokens=args.suffix_cache_tokens, min_token_prob=args.suffix_min_token_prob,
+                            spec_factor=args.suffix_spec_factor)
+    except ValueError as exc:
+        raise SystemExit(f"--suffix-*: {exc}") from None
 
 
 # -- from flags and environment ----------------------------------------------------------------------
@@ -381,7 +406,7 @@ def _gateway_fields(args: argparse.Namespace) -> dict:
                 discover_verifiers=args.discover_verifiers, discover_drafters=args.discover_drafters,
                 namespace=args.namespace, limits=limits,
                 link=LinkOptions(draft_ahead=args.draft_ahead, net_delay_s=args.net_delay_ms / 1000),
-                http_port=args.http_port or None, http_limits=http_limits_from_args(args))
+                http_port=args.http_port or None, http_limits=http_limits_from_args(args), suffix=suffix_config(args))
 
 
 def log_level(flag: str | None, environ: Mapping[str, str]) -> str:
@@ -411,7 +436,7 @@ def service_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Serv
                               verify_ahead=not args.no_verify_ahead)
     if args.role == "drafter":
         return DrafterConfig(**common, **_model_service_fields(args), method=args.method,
-                             draft_model=args.draft_model, replay_file=args.replay_file)
+                             draft_model=args.draft_model, replay_file=args.replay_file, suffix=suffix_config(args))
     if not args.verifier and not args.discover_verifiers:
         raise SystemExit("the gateway needs --verifier addresses or --discover-verifiers SERVICE")
     return GatewayConfig(**common, **_gateway_fields(args))

@@ -16,6 +16,7 @@ from specdec.drafters import ModelDrafter
 from specdec.engine import collect
 from specdec.local import LocalEngine
 from specdec.randomness import position_keys
+from specdec.suffix import SuffixConfig, SuffixDrafter
 from specdec.sampling import STREAM_VERIFY, process_logits, sparse_to_dense, truncate_top_k
 from specdec.wire_types import SamplingParams, SparseDistribution
 
@@ -302,3 +303,20 @@ def assert_first_three_follow_target(lm, prompt: list[int], params: SamplingPara
     probs = torch.tensor([cells[key] for key in keys], dtype=torch.float64)
     pvalue = chi2_pvalue(counts, probs / probs.sum())
     assert pvalue > ALPHA, pvalue
+
+
+async def test_suffix_drafts_from_earlier_samples_keep_the_target_distribution(tiny_target):
+    """Suffix drafts come from what earlier runs sampled (one drafter, one cache over every seed):
+    drafts that depend on history, deterministic, one-hot q. The first three tokens must still
+    follow the target's own joint distribution."""
+    tokenizer = tiny_target.tokenizer
+    prompt = tokenizer("the quick brown fox jumps")["input_ids"]
+    runs = 1000
+
+    def params_for_seed(seed: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=4, temperature=0.9, top_k=3, seed=seed, ignore_eos=True)
+
+    engine = LocalEngine(tiny_target, SuffixDrafter(SuffixConfig(min_token_prob=0.0, anchor=1)))
+    outcomes, accepted_second_draft = await _first_tokens(engine, prompt, params_for_seed, runs, k=2)
+    assert accepted_second_draft > runs // 10, accepted_second_draft
+    assert_first_three_follow_target(tiny_target, prompt, params_for_seed(0), outcomes)

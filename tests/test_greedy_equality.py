@@ -15,6 +15,7 @@ import torch
 
 from specdec.drafters import ModelDrafter
 from specdec.drafting import NgramDrafter, ScriptedDrafter
+from specdec.suffix import SuffixConfig, SuffixDrafter
 from specdec.completion import CompletionBuilder
 from specdec.engine import LocalDrafter, LocalVerifier, collect, generate, run_sync
 from specdec import kv as kv_module
@@ -116,7 +117,18 @@ def corrupting_script(prompt_ids: list[int], reference: list[int], vocab: int, r
     return script
 
 
-DRAFTERS = ["tiny_random_draft", "ngram", "target_itself", "scripted_corrupted", "noisy_copy"]
+DRAFTERS = ["tiny_random_draft", "ngram", "target_itself", "scripted_corrupted", "noisy_copy", "suffix", "suffix_misled"]
+
+
+def misled_suffix_drafter(references, vocab: int) -> SuffixDrafter:
+    """A suffix drafter whose cache already holds every reference with a quarter of its tokens
+    changed: its drafts are right for a while, then wrong (partial acceptance, rollbacks)."""
+    drafter = SuffixDrafter(SuffixConfig(min_token_prob=0.0))
+    rng = random.Random(11)
+    for serial, (ids, reference) in enumerate(references, start=1_000_000):
+        corrupted = [(t + 1) % vocab if rng.random() < 0.25 else t for t in reference]
+        drafter.cache.add("", serial, ids[-4:] + corrupted, new=True)
+    return drafter
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
@@ -129,6 +141,9 @@ def test_greedy_speculative_equals_target_generate(kind, k, references, tiny_tar
         "ngram": NgramDrafter(),
         "target_itself": ModelDrafter(tiny_target),
         "noisy_copy": ModelDrafter(tiny_noisy_draft),
+        # One drafter over every prompt: later requests draft from what the earlier ones wrote.
+        "suffix": SuffixDrafter(),
+        "suffix_misled": misled_suffix_drafter(references, tiny_target.vocab_size),
     }
 
     async def run_all():
@@ -158,7 +173,7 @@ def test_greedy_speculative_equals_target_generate(kind, k, references, tiny_tar
         all_rounds.extend(rounds)
     drafted_rounds = [r for r in all_rounds if r.num_drafts]
     assert drafted_rounds, "speculation never happened"
-    if kind in ("scripted_corrupted", "noisy_copy"):
+    if kind in ("scripted_corrupted", "noisy_copy", "suffix_misled"):
         rejected = [r for r in drafted_rounds if r.num_accepted < r.num_drafts]
         accepted = [r for r in drafted_rounds if r.num_accepted > 0]
         assert len(rejected) >= 20 and len(accepted) >= 20, (len(rejected), len(accepted))

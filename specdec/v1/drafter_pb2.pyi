@@ -16,16 +16,18 @@ class DraftRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[DraftStart, _Mapping]] = ..., propose: _Optional[_Union[ProposalRequest, _Mapping]] = ...) -> None: ...
 
 class DraftStart(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "sampling", "draft_top_k")
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "draft_top_k", "cache_scope")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _types_pb2.SamplingParams
     draft_top_k: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., draft_top_k: _Optional[int] = ...) -> None: ...
+    cache_scope: str
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., draft_top_k: _Optional[int] = ..., cache_scope: _Optional[str] = ...) -> None: ...
 
 class ProposalRequest(_message.Message):
     __slots__ = ("round", "committed_token_ids", "num_draft_tokens", "ahead_tokens", "ahead_used", "target_features")

@@ -1,0 +1,192 @@
+"""Suffix drafting (specdec.suffix): the index against brute force, the frequency scoring, the
+cache's token budget over 10 000 requests, tenant scopes, and the method chooser of ``auto``."""
+
+from __future__ import annotations
+
+import gc
+import random
+import tracemalloc
+
+import pytest
+
+from specdec.policy.method_choice import MethodChooser
+from specdec.suffix import (SuffixCache, SuffixConfig, SuffixDrafter, SuffixIndex, cache_scope_key,
+                            continue_match)
+from specdec.wire_types import SamplingParams
+
+PARAMS = SamplingParams(max_new_tokens=64)
+
+
+def brute_longest(documents: dict[int, list[int]], context: list[int], anchor: int, max_depth: int):
+    """The longest suffix of ``context`` (anchor..max_depth tokens) followed by something in a document."""
+    best = 0
+    for doc in documents.values():
+        for end in range(anchor, len(doc)):  # end < len(doc): a continuation exists
+            length = 0
+            while (length < min(max_depth, end, len(context))
+                   and doc[end - length - 1] == context[len(context) - length - 1]):
+                length += 1
+            if length >= anchor:
+                best = max(best, length)
+    return best
+
+
+@pytest.mark.parametrize("anchor", [1, 2, 3])
+def test_longest_match_equals_brute_force(anchor):
+    rng = random.Random(anchor)
+    for trial in range(200):
+        vocab = rng.choice([2, 3, 5, 50])
+        index = SuffixIndex(anchor)
+        documents = {}
+        for serial in range(1, rng.randint(1, 4) + 1):
+            documents[serial] = [rng.randrange(vocab) for _ in range(rng.randint(0, 40))]
+            index.add(serial, documents[serial][:7])  # in two appends, as a running request's output comes
+            index.add(serial, documents[serial][7:])
+        context = [rng.randrange(vocab) for _ in range(rng.randint(0, 12))]
+        if documents and rng.random() < 0.5:  # a context that surely occurs
+            doc = rng.choice(list(documents.values()))
+            cut = rng.randint(0, len(doc))
+            context += doc[:cut]
+        match = index.longest_match(context, max_depth=16, max_candidates=10**6)
+        assert match.length == brute_longest(documents, context, anchor, 16), (trial, documents, context)
+        for doc, end, serial in match.occurrences:
+            assert end < len(doc) and list(doc[end - match.length:end]) == context[len(context) - match.length:]
+
+
+def test_index_forgets_a_document_entirely():
+    index = SuffixIndex(2)
+    index.add(1, [1, 2, 3, 1, 2, 4])
+    index.add(2, [5, 1, 2, 3])
+    assert index.remove(1) == 6 and index.num_tokens == 4
+    assert sum(len(found) for found in index.occurrences.values()) == 3  # positions 2..4 of document 2
+    match = index.longest_match([9, 1, 2], 8, 8)
+    assert match.length == 2 and [serial for *_, serial in match.occurrences] == [2]
+
+
+def test_draft_follows_the_most_frequent_continuation_and_stops_at_min_prob():
+    index = SuffixIndex(2)
+    for serial, doc in enumerate([[7, 8, 1, 2, 3], [7, 8, 1, 2, 3], [7, 8, 1, 9, 9], [7, 8, 4]], start=1):
+        index.add(serial, doc)
+    match = index.longest_match([0, 7, 8], 8, 32)
+    assert match.length == 2 and len(match.occurrences) == 4
+    draft = continue_match(match, 8, 0.1)
+    assert draft.tokens == [1, 2, 3]
+    assert draft.cumulative_probs == pytest.approx([0.75, 0.5, 0.5])
+    assert continue_match(match, 8, 0.6).tokens == [1]  # 0.5 < 0.6 ends it after one token
+    assert draft.serial == 2  # ties go to the most recent document
+
+
+def test_draft_length_grows_with_the_match():
+    drafter = SuffixDrafter(SuffixConfig(max_cached_tokens=0))
+    text = list(range(100, 140))
+    session = drafter.start(text + [1, 2] + text[:3], PARAMS)  # context ends with text[:3]: a 3-token match
+    assert session.propose(16).draft_tokens == text[3:6]  # spec_factor 1: as long as the match
+    session.extend(text[3:10])  # now a 10-token match
+    assert session.propose(16).draft_tokens == text[10:20]
+    assert session.propose(4).draft_tokens == text[10:14]
+
+
+def test_a_later_request_drafts_what_an_earlier_one_wrote():
+    drafter = SuffixDrafter(SuffixConfig(max_cached_tokens=10_000))
+    prompt, answer = [1, 2, 3, 4], list(range(200, 260))
+    first = drafter.start_in_scope(prompt, PARAMS, "t/")
+    first.extend(answer)
+    first.close()
+    second = drafter.start_in_scope([9] + prompt, PARAMS, "t/")
+    second.extend(answer[:1])  # the verifier's first token (prefill)
+    proposal = second.propose(16)
+    # The lead-in (the prompt's tail) matches, so the draft starts at once, as long as the match.
+    assert proposal.draft_tokens == answer[1:1 + len(proposal)] and len(proposal) >= 5
+    second.extend(answer[1:20])
+    assert second.propose(16).draft_tokens == answer[20:36]
+
+
+def test_tenant_b_never_receives_a_draft_made_of_tenant_a_tokens():
+    """Random traffic of two tenants (and two scopes of one): every draft of a scope is made only
+    of tokens that scope's own requests contain; the same prompts give A drafts and B none."""
+    rng = random.Random(7)
+    drafter = SuffixDrafter(SuffixConfig(max_cached_tokens=50_000, anchor=1))
+    secret = [rng.randrange(1000, 2000) for _ in range(80)]  # only tenant A's outputs hold these
+    seen: dict[str, set[int]] = {}
+    drafted = {}
+    for i in range(300):
+        tenant = rng.choice(["a", "b"])
+        scope = cache_scope_key(tenant, rng.choice(["", "x"]))
+        prompt = [rng.randrange(50) for _ in range(rng.randint(2, 8))]
+        output = secret if tenant == "a" else [rng.randrange(50) for _ in range(40)]
+        own = set(prompt) | set(output)
+        session = drafter.start_in_scope(prompt, PARAMS, scope)
+        allowed = seen.setdefault(scope, set())
+        position = 0
+        while position < len(output):
+            proposal = session.propose(8)
+            assert set(proposal.draft_tokens) <= allowed | own, (i, scope)
+            drafted[scope] = drafted.get(scope, 0) + len(proposal)
+            step = rng.randint(1, 5)
+            session.extend(output[position:position + step])
+            position += step
+        session.close()
+        allowed |= own
+    assert drafted[cache_scope_key("a", "")] > 1000 and drafted[cache_scope_key("a", "x")] > 1000
+    assert not (seen[cache_scope_key("b", "")] | seen[cache_scope_key("b", "x")]) & set(secret)
+
+
+def test_the_cache_stays_under_its_budget_over_10000_requests():
+    budget = 20_000
+    drafter = SuffixDrafter(SuffixConfig(max_cached_tokens=budget))
+    cache = drafter.cache
+    rng = random.Random(3)
+    phrases = [[rng.randrange(30_000) for _ in range(12)] for _ in range(400)]  # text repeats across requests
+    memory = {}
+    gc.collect()
+    tracemalloc.start()
+    try:
+        for i in range(10_000):
+            scope = cache_scope_key(f"tenant{i % 13}", "")
+            session = drafter.start_in_scope([rng.randrange(30_000) for _ in range(20)], PARAMS, scope)
+            for _ in range(rng.randint(1, 12)):
+                session.propose(8)
+                session.extend(rng.choice(phrases)[:rng.randint(1, 12)])
+            session.close()
+            assert cache.num_tokens <= budget
+            if i + 1 in (2_000, 10_000):
+                gc.collect()
+                memory[i + 1] = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    stats = cache.stats()
+    assert stats["evicted_documents"] > 5_000
+    held = sum(len(doc) for index in cache.scopes.values() for doc in index.documents.values())
+    assert held == cache.num_tokens == stats["tokens"] > budget * 0.9
+    entries = sum(len(found) for index in cache.scopes.values() for found in index.occurrences.values())
+    assert entries == sum(max(0, len(doc) - 1) for index in cache.scopes.values() for doc in index.documents.values())
+    assert len(cache.recency) == stats["documents"]
+    # Memory: flat once the cache is full, and a bounded cost per cached token.
+    assert memory[10_000] < 1.15 * memory[2_000], memory
+    assert memory[10_000] < 400 * budget, memory
+
+
+def test_an_evicted_running_document_stays_out():
+    cache = SuffixCache(SuffixConfig(max_cached_tokens=10))
+    cache.add("s", 1, list(range(8)), new=True)
+    cache.add("s", 2, list(range(20, 28)), new=True)  # 16 > 10: document 1 goes
+    assert 1 not in cache.recency and cache.num_tokens == 8
+    cache.add("s", 1, [1, 2, 3], new=False)  # its request goes on: nothing comes back
+    assert cache.num_tokens == 8 and 1 not in cache.scopes["s"].documents
+
+
+def test_method_chooser_tries_each_then_takes_the_fastest_and_explores():
+    chooser = MethodChooser(explore_every=4)
+    candidates = [("model", "m"), ("suffix", "s")]
+    assert chooser.choose(candidates) == "model"
+    assert chooser.choose(candidates) == "suffix"  # model is being measured by a running request
+    chooser.report("m", emitted=100, round_s=2.0)  # 50 tok/s
+    chooser.report("s", emitted=100, round_s=1.0)  # 100 tok/s
+    choices = [chooser.choose(candidates) for _ in range(20)]
+    assert choices.count("suffix") >= 16 and 2 <= choices.count("model") <= 4  # one in every ~5
+    chooser.report("s", emitted=10, round_s=1.0)  # suffix's requests slow down: the blend follows
+    chooser.report("s", emitted=10, round_s=1.0)
+    chooser.report("s", emitted=10, round_s=1.0)
+    assert chooser.rates()["s"] < 50
+    assert [chooser.choose(candidates) for _ in range(3)].count("model") >= 2
+    assert chooser.choose([]) is None
