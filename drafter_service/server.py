@@ -174,6 +174,7 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
                     yield drafter_pb2.DraftResponse(proposal=drafter_pb2.DraftProposal(
                         round=propose.round, service_time_us=int((time.perf_counter() - received) * 1e6),
                         batch_size=batch.size, queue_wait_us=int(batch.queue_wait_s * 1e6),
+                        acceptance_estimates=proposal.acceptance_estimates or (),
                         **convert.proposal_fields(proposal),
                     ))
                     ahead_block = []  # a block is only ever continued from the message right after it

@@ -390,7 +390,8 @@ class GatewayCore:
             policy = make_policy(k, memory=self.acceptance_memory, max_k=self.limits.max_draft_tokens,
                                  key=AcceptanceMemory.make_key(method, draft_model, verifier_replica.info.model.model),
                                  forward_curve=list(verifier_replica.info.forward_cost_s) or None,
-                                 co_batched=max(0, verifier_replica.load - 1))  # its other sessions, this one opened
+                                 co_batched=max(0, verifier_replica.load - 1),  # its other sessions, this one opened
+                                 drafter_estimates=method == "suffix")
             if drafter_replica is not None:
                 drafter_replica.in_flight += 1
                 remote_drafter = RemoteDrafter(drafter_replica.stub, drafter_session, prompt_ids, params,

@@ -82,6 +82,7 @@ class Drafter(ABC):
     name: str = "drafter"
     feature_size: int = 0  # > 0: sessions read the target's features of this width (EAGLE)
     supports_draft_ahead: bool = True  # sessions implement ``propose_ahead``
+    estimates_acceptance: bool = False  # proposals carry ``acceptance_estimates`` (the loop trims to the best prefix)
 
     @abstractmethod
     def start(self, prompt_ids: list[int], params: SamplingParams) -> DraftSession:

@@ -366,6 +366,8 @@ async def generate(
                 else:
                     proposal = await drafter.propose(pending, k)
                 pending = []
+                if proposal.acceptance_estimates is not None and len(proposal):
+                    proposal = proposal.prefix(policy.prefix_length(proposal.acceptance_estimates))
             t1 = time.perf_counter()
             verdict = await verifier.verify(proposal)
             t2 = time.perf_counter()

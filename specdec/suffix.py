@@ -270,6 +270,63 @@ class SuffixCache:
                     "evicted_documents": self.evicted_documents}
 
 
+class AcceptanceCalibration:
+    """How far the cache's own estimate (a continuation's share of the matched occurrences) is to be
+    trusted, per match length: the target accepts a draft whose share is s with probability
+    s x rate(match length), given the drafts before it were accepted. Learned from the outcomes
+    (successes over summed shares, a Beta-like prior, older outcomes fading); shared by every
+    scope (it holds no text). Thread-safe."""
+
+    BUCKETS = (4, 8, 16, 32)  # match lengths below each bound share a rate; longer ones one more
+
+    def __init__(self, prior_accepted: float = 2.0, prior_rejected: float = 1.0, keep: float = 0.998) -> None:
+        self.prior = (prior_accepted, prior_rejected)
+        self.keep = keep
+        self.accepted = [0.0] * (len(self.BUCKETS) + 1)
+        self.weight = [0.0] * (len(self.BUCKETS) + 1)
+        self._lock = threading.Lock()
+
+    def bucket(self, match_length: int) -> int:
+        return next((i for i, bound in enumerate(self.BUCKETS) if match_length < bound), len(self.BUCKETS))
+
+    def rate(self, match_length: int) -> float:
+        b = self.bucket(match_length)
+        a, r = self.prior
+        return (self.accepted[b] + a) / (self.weight[b] + a + r)
+
+    def estimates(self, cumulative_shares: Sequence[float], match_length: int) -> list[float]:
+        """Per i, the estimated probability that drafts 1..i + 1 are all accepted."""
+        rate, out, p, previous = self.rate(match_length), [], 1.0, 1.0
+        for cumulative in cumulative_shares:
+            share = cumulative / previous
+            previous = cumulative
+            p *= min(1.0, share * rate)
+            out.append(p)
+        return out
+
+    def record(self, draft: SuffixDraft, committed: Sequence[int]) -> None:
+        """The tokens committed after ``draft`` was proposed: each draft up to the first miss was a
+        trial (the one after an accepted block is compared with the bonus token, which under
+        greedy decoding is what verifying it would have decided)."""
+        b = self.bucket(draft.match_length)
+        accepted = weight = 0.0
+        previous = 1.0
+        for token, cumulative, actual in zip(draft.tokens, draft.cumulative_probs, committed):
+            weight += cumulative / previous
+            previous = cumulative
+            if token != actual:
+                break
+            accepted += 1.0
+        if weight == 0.0:
+            return
+        with self._lock:
+            for i in range(len(self.weight)):  # every bucket fades, so an idle one does not stay stale
+                self.accepted[i] *= self.keep
+                self.weight[i] *= self.keep
+            self.accepted[b] += accepted
+            self.weight[b] += weight
+
+
 def draft_limit(config: SuffixConfig, match_length: int, max_tokens: int) -> int:
     """At most ``spec_factor`` x match length + ``spec_offset`` tokens, and ``max_tokens``."""
     return max(0, min(max_tokens, math.floor(config.spec_factor * match_length + config.spec_offset)))
@@ -289,10 +346,14 @@ class SuffixDraftSession(DraftSession):
         self.own.add(0, self.tokens)
         self.serial = self.cache.new_document() if self.cache is not None else None
         self.lead_in = list(prompt_ids[-PROMPT_LEAD_IN:])  # goes in before the first output token
-        self.last_draft = NO_DRAFT  # what the latest proposal drew on (tests, traces)
+        self.calibration = drafter.calibration
+        self.last_draft = NO_DRAFT  # the latest proposal, until the tokens after it say how it fared
 
     def extend(self, committed: list[int]) -> None:
         committed = [int(t) for t in committed]
+        if self.last_draft.tokens and committed:
+            self.calibration.record(self.last_draft, committed)
+            self.last_draft = NO_DRAFT
         super().extend(committed)
         self.own.add(0, committed)
         if self.cache is not None and committed:
@@ -316,8 +377,10 @@ class SuffixDraftSession(DraftSession):
             shared = self.cache.draft(self.scope, context, num_draft_tokens, self.serial)
             if shared.score > best.score:
                 best = shared
-        self.last_draft = best
-        return DraftProposal(list(best.tokens), None)
+        if not self.assumed:  # a draft-ahead block continues tokens not committed yet: not comparable
+            self.last_draft = best
+        estimates = self.calibration.estimates(best.cumulative_probs, best.match_length)
+        return DraftProposal(list(best.tokens), None, estimates)
 
 
 class SuffixDrafter(Drafter):
@@ -325,9 +388,11 @@ class SuffixDrafter(Drafter):
     cache of earlier outputs shared by the requests of one scope (``start(..., scope=)``)."""
 
     name = "suffix"
+    estimates_acceptance = True
 
     def __init__(self, config: SuffixConfig | None = None) -> None:
         self.config = config or SuffixConfig()
+        self.calibration = AcceptanceCalibration()
         self.cache = SuffixCache(self.config) if self.config.max_cached_tokens > 0 else None
 
     def start(self, prompt_ids: list[int], params: SamplingParams) -> DraftSession:

@@ -142,6 +142,9 @@ class DraftProposal:
 
     draft_tokens: list[int] = field(default_factory=list)
     draft_probs: list[SparseDistribution] | None = None
+    # The drafter's estimate, per i, that drafts 1..i + 1 are all accepted (drafters that can tell:
+    # suffix lookup); the loop then verifies the prefix of the best expected rate. None: no estimate.
+    acceptance_estimates: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.draft_tokens)
@@ -149,7 +152,8 @@ class DraftProposal:
     def prefix(self, n: int) -> DraftProposal:
         """The first ``n`` drafts (a draft's q does not depend on later drafts)."""
         probs = None if self.draft_probs is None else self.draft_probs[:n]
-        return DraftProposal(self.draft_tokens[:n], probs)
+        estimates = None if self.acceptance_estimates is None else self.acceptance_estimates[:n]
+        return DraftProposal(self.draft_tokens[:n], probs, estimates)
 
     def q(self, i: int) -> SparseDistribution:
         if self.draft_probs is None:

@@ -21,6 +21,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any, Protocol
 
 from specdec.policy.base import DraftLengthPolicy, FixedDraftLength, RoundObservation
+from specdec.policy.confidence import ConfidenceDraftLength
 from specdec.policy.config import AdaptiveConfig
 from specdec.policy.estimators import AcceptanceEstimator, DraftCostModel, VerifyCostModel
 
@@ -438,11 +439,17 @@ def make_policy(
     memory: PolicyMemory | None = None,
     key: Hashable | None = None,
     max_k: int = 16,
+    drafter_estimates: bool = False,
     **kwargs,
 ) -> DraftLengthPolicy:
-    """``num_draft_tokens`` > 0: that fixed k (capped at ``max_k``); 0: ``AdaptiveDraftLength``."""
+    """``num_draft_tokens`` > 0: that fixed k (capped at ``max_k``); 0: ``AdaptiveDraftLength``, or
+    with ``drafter_estimates`` (the drafter estimates its own acceptance, as suffix lookup does)
+    ``ConfidenceDraftLength``."""
     if num_draft_tokens < 0:
         raise ValueError("num_draft_tokens must be >= 0")
     if num_draft_tokens > 0:
         return FixedDraftLength(min(num_draft_tokens, max_k))
+    if drafter_estimates:
+        return ConfidenceDraftLength(max_k=max_k, forward_curve=kwargs.get("forward_curve"),
+                                     co_batched=kwargs.get("co_batched", 0.0))
     return AdaptiveDraftLength(max_k=max_k, memory=memory, key=key, **kwargs)

@@ -32,6 +32,11 @@ class DraftLengthPolicy(ABC):
     def observe(self, outcome: RoundObservation) -> None:
         """Learn from the round just verified."""
 
+    def prefix_length(self, acceptance_estimates: list[float]) -> int:
+        """How many drafts of a proposal that carries the drafter's acceptance estimates to verify
+        (``ConfidenceDraftLength`` weighs them against the round's cost; the others keep all)."""
+        return len(acceptance_estimates)
+
     def expects_to_draft(self) -> bool:
         """Whether the first rounds will likely draft (k > 0), asked before prefill without changing
         anything: a drafter session that will not be needed soon can open later, so that its prefill

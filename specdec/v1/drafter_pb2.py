@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import types_pb2 as specdec_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/drafter.proto\x12\nspecdec.v1\x1a\x16specdec/v1/types.proto\"o\n\x0c\x44raftRequest\x12\'\n\x05start\x18\x01 \x01(\x0b\x32\x16.specdec.v1.DraftStartH\x00\x12.\n\x07propose\x18\x02 \x01(\x0b\x32\x1b.specdec.v1.ProposalRequestH\x00\x42\x06\n\x04kind\"\x92\x01\n\nDraftStart\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x13\n\x0b\x64raft_top_k\x18\x04 \x01(\r\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x05 \x01(\t\"\xb6\x01\n\x0fProposalRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x1b\n\x13\x63ommitted_token_ids\x18\x02 \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\x12\x14\n\x0c\x61head_tokens\x18\x04 \x01(\r\x12\x12\n\nahead_used\x18\x05 \x01(\r\x12\x33\n\x0ftarget_features\x18\x06 \x01(\x0b\x32\x1a.specdec.v1.TargetFeatures\"\x9c\x01\n\rDraftResponse\x12+\n\x07started\x18\x01 \x01(\x0b\x32\x18.specdec.v1.DraftStartedH\x00\x12-\n\x08proposal\x18\x02 \x01(\x0b\x32\x19.specdec.v1.DraftProposalH\x00\x12\'\n\x05\x61head\x18\x03 \x01(\x0b\x32\x16.specdec.v1.DraftAheadH\x00\x42\x06\n\x04kind\"c\n\nDraftAhead\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x19\n\x11\x61ssumed_token_ids\x18\x02 \x03(\r\x12+\n\x08proposal\x18\x03 \x01(\x0b\x32\x19.specdec.v1.DraftProposal\"\"\n\x0c\x44raftStarted\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xb0\x01\n\rDraftProposal\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\r\x12\x33\n\x0b\x64raft_probs\x18\x03 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x17\n\x0fservice_time_us\x18\x04 \x01(\x04\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x15\n\rqueue_wait_us\x18\x06 \x01(\x04\"\x17\n\x15GetDrafterInfoRequest\"\xa8\x01\n\x16GetDrafterInfoResponse\x12\x0e\n\x06method\x18\x01 \x01(\t\x12$\n\x05model\x18\x02 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\x12$\n\x04load\x18\x03 \x01(\x0b\x32\x16.specdec.v1.LoadReport\x12\x1c\n\x14supports_draft_ahead\x18\x04 \x01(\x08\x12\x14\n\x0c\x66\x65\x61ture_size\x18\x05 \x01(\r\"(\n\x12\x43\x61ncelDraftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x15\n\x13\x43\x61ncelDraftResponse2\xed\x01\n\x07\x44rafter\x12@\n\x05\x44raft\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse(\x01\x30\x01\x12P\n\x07GetInfo\x12!.specdec.v1.GetDrafterInfoRequest\x1a\".specdec.v1.GetDrafterInfoResponse\x12N\n\x0b\x43\x61ncelDraft\x12\x1e.specdec.v1.CancelDraftRequest\x1a\x1f.specdec.v1.CancelDraftResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/drafter.proto\x12\nspecdec.v1\x1a\x16specdec/v1/types.proto\"o\n\x0c\x44raftRequest\x12\'\n\x05start\x18\x01 \x01(\x0b\x32\x16.specdec.v1.DraftStartH\x00\x12.\n\x07propose\x18\x02 \x01(\x0b\x32\x1b.specdec.v1.ProposalRequestH\x00\x42\x06\n\x04kind\"\x92\x01\n\nDraftStart\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x13\n\x0b\x64raft_top_k\x18\x04 \x01(\r\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x05 \x01(\t\"\xb6\x01\n\x0fProposalRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x1b\n\x13\x63ommitted_token_ids\x18\x02 \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\x12\x14\n\x0c\x61head_tokens\x18\x04 \x01(\r\x12\x12\n\nahead_used\x18\x05 \x01(\r\x12\x33\n\x0ftarget_features\x18\x06 \x01(\x0b\x32\x1a.specdec.v1.TargetFeatures\"\x9c\x01\n\rDraftResponse\x12+\n\x07started\x18\x01 \x01(\x0b\x32\x18.specdec.v1.DraftStartedH\x00\x12-\n\x08proposal\x18\x02 \x01(\x0b\x32\x19.specdec.v1.DraftProposalH\x00\x12\'\n\x05\x61head\x18\x03 \x01(\x0b\x32\x16.specdec.v1.DraftAheadH\x00\x42\x06\n\x04kind\"c\n\nDraftAhead\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x19\n\x11\x61ssumed_token_ids\x18\x02 \x03(\r\x12+\n\x08proposal\x18\x03 \x01(\x0b\x32\x19.specdec.v1.DraftProposal\"\"\n\x0c\x44raftStarted\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xce\x01\n\rDraftProposal\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\r\x12\x33\n\x0b\x64raft_probs\x18\x03 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x17\n\x0fservice_time_us\x18\x04 \x01(\x04\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x15\n\rqueue_wait_us\x18\x06 \x01(\x04\x12\x1c\n\x14\x61\x63\x63\x65ptance_estimates\x18\x07 \x03(\x02\"\x17\n\x15GetDrafterInfoRequest\"\xa8\x01\n\x16GetDrafterInfoResponse\x12\x0e\n\x06method\x18\x01 \x01(\t\x12$\n\x05model\x18\x02 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\x12$\n\x04load\x18\x03 \x01(\x0b\x32\x16.specdec.v1.LoadReport\x12\x1c\n\x14supports_draft_ahead\x18\x04 \x01(\x08\x12\x14\n\x0c\x66\x65\x61ture_size\x18\x05 \x01(\r\"(\n\x12\x43\x61ncelDraftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x15\n\x13\x43\x61ncelDraftResponse2\xed\x01\n\x07\x44rafter\x12@\n\x05\x44raft\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse(\x01\x30\x01\x12P\n\x07GetInfo\x12!.specdec.v1.GetDrafterInfoRequest\x1a\".specdec.v1.GetDrafterInfoResponse\x12N\n\x0b\x43\x61ncelDraft\x12\x1e.specdec.v1.CancelDraftRequest\x1a\x1f.specdec.v1.CancelDraftResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,15 +45,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTSTARTED']._serialized_start=771
   _globals['_DRAFTSTARTED']._serialized_end=805
   _globals['_DRAFTPROPOSAL']._serialized_start=808
-  _globals['_DRAFTPROPOSAL']._serialized_end=984
-  _globals['_GETDRAFTERINFOREQUEST']._serialized_start=986
-  _globals['_GETDRAFTERINFOREQUEST']._serialized_end=1009
-  _globals['_GETDRAFTERINFORESPONSE']._serialized_start=1012
-  _globals['_GETDRAFTERINFORESPONSE']._serialized_end=1180
-  _globals['_CANCELDRAFTREQUEST']._serialized_start=1182
-  _globals['_CANCELDRAFTREQUEST']._serialized_end=1222
-  _globals['_CANCELDRAFTRESPONSE']._serialized_start=1224
-  _globals['_CANCELDRAFTRESPONSE']._serialized_end=1245
-  _globals['_DRAFTER']._serialized_start=1248
-  _globals['_DRAFTER']._serialized_end=1485
+  _globals['_DRAFTPROPOSAL']._serialized_end=1014
+  _globals['_GETDRAFTERINFOREQUEST']._serialized_start=1016
+  _globals['_GETDRAFTERINFOREQUEST']._serialized_end=1039
+  _globals['_GETDRAFTERINFORESPONSE']._serialized_start=1042
+  _globals['_GETDRAFTERINFORESPONSE']._serialized_end=1210
+  _globals['_CANCELDRAFTREQUEST']._serialized_start=1212
+  _globals['_CANCELDRAFTREQUEST']._serialized_end=1252
+  _globals['_CANCELDRAFTRESPONSE']._serialized_start=1254
+  _globals['_CANCELDRAFTRESPONSE']._serialized_end=1275
+  _globals['_DRAFTER']._serialized_start=1278
+  _globals['_DRAFTER']._serialized_end=1515
 # @@protoc_insertion_point(module_scope)

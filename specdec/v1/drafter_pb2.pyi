@@ -72,20 +72,22 @@ class DraftStarted(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
-    __slots__ = ("round", "draft_token_ids", "draft_probs", "service_time_us", "batch_size", "queue_wait_us")
+    __slots__ = ("round", "draft_token_ids", "draft_probs", "service_time_us", "batch_size", "queue_wait_us", "acceptance_estimates")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     SERVICE_TIME_US_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_WAIT_US_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_ESTIMATES_FIELD_NUMBER: _ClassVar[int]
     round: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[_types_pb2.SparseDistribution]
     service_time_us: int
     batch_size: int
     queue_wait_us: int
-    def __init__(self, round: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_types_pb2.SparseDistribution, _Mapping]]] = ..., service_time_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., queue_wait_us: _Optional[int] = ...) -> None: ...
+    acceptance_estimates: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, round: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_types_pb2.SparseDistribution, _Mapping]]] = ..., service_time_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., queue_wait_us: _Optional[int] = ..., acceptance_estimates: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GetDrafterInfoRequest(_message.Message):
     __slots__ = ()
