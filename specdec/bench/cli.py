@@ -17,7 +17,8 @@ from pathlib import Path
 
 from specdec.bench import llamacpp, plots
 from specdec.bench.bound import compute_bound, k0_rounds_against_plain, machine_info
-from specdec.bench.load import effective_rounds, parse_concurrency, run_system
+from specdec.bench.conversation import Conversation, group_spans
+from specdec.bench.load import effective_rounds, parse_concurrency, round_blocks, run_system
 from specdec.bench.model_cache import ModelCache
 from specdec.bench.metrics import (
     RequestRecord,
@@ -29,7 +30,7 @@ from specdec.bench.metrics import (
     summarize_by_category,
     summarize_records,
 )
-from specdec.bench.prompts import Conversation, load_prompts
+from specdec.bench.prompts import load_prompts
 from specdec.bench.split_check import split_prediction
 from specdec.pass_options import DTYPE_ENV
 from specdec.synthetic import is_synthetic, parse_synthetic
@@ -65,9 +66,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for local models (default: torch's; 1 is faster on a busy machine)")
     p.add_argument("--prompts", default="mt_bench",
-                   help="comma-separated: mt_bench, humaneval, translation (ours: drafts weak there) or JSONL paths "
-                        "(MT-bench or HumanEval format)")
-    p.add_argument("--limit", type=int, default=None, help="items per prompt set (categories taken in turn)")
+                   help="comma-separated: mt_bench, humaneval, translation (ours: drafts weak there), repetitive "
+                        "(ours: text repeats across requests, for suffix drafting) or JSONL paths (MT-bench or "
+                        "HumanEval format)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="items per prompt set (categories taken in turn; repetitive: whole groups of items)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0, help="request seeds and Poisson arrivals")
@@ -252,7 +255,7 @@ def run_bench(args) -> dict:
     runners: dict[str, Runner] = {}
     durations: dict[str, float] = {}
     round_rates: dict[str, list[float]] = {}  # output tokens/s of each round, per system
-    rounds = effective_rounds(args.rounds, len(conversations), args.concurrency)
+    rounds = effective_rounds(args.rounds, len(group_spans(conversations)), args.concurrency)
     try:
         for spec in systems:
             if spec.assisted and not args.draft_model:
@@ -269,11 +272,11 @@ def run_bench(args) -> dict:
             records, _ = run_system(_make_runner(recording, client, models, conversations[0], args), "recording",
                                     conversations, args, progress)
             control.record(records)
-        # Interleaved rounds: conversation i belongs to round i % R; each round runs every system,
-        # in reverse order every other round (A B, B A, ...), so a machine that slows down or speeds
-        # up during the run weighs on all systems alike instead of on whichever ran last.
-        for r in range(rounds):
-            block = list(range(r, len(conversations), rounds))
+        # Interleaved rounds: group g (conversation g, where the prompts have no groups) belongs to round
+        # g % R; each round runs every system, in reverse order every other round (A B, B A, ...), so a
+        # machine that slows down or speeds up during the run weighs on all systems alike instead of on
+        # whichever ran last.
+        for r, block in enumerate(round_blocks(conversations, rounds)):
             for spec in measured if r % 2 == 0 else measured[::-1]:
                 if control is not None:
                     control.activate(spec)
