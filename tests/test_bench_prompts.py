@@ -1,6 +1,6 @@
 """specdec bench's prompt sets and how groups of items run (unit tier: no model, no service): the
-``repetitive`` set (issue #45), --limit and --rounds keeping groups whole, and a group's items one
-after another in one stream."""
+``repetitive`` set (issue #45), --limit and --rounds keeping groups whole, a group's items one after
+another in one stream, and the suffix systems' requests (method, auto_methods, cache scope)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from specdec.bench import cli as bench_cli
 from specdec.bench import load, prompts, repetitive, runners
 
 GROUP_SIZES = {"revise": 1, "samples": repetitive.DEFAULT_SAMPLES_PER_PROBLEM, "docqa": len(repetitive.DOCQA_QUESTIONS)}
@@ -175,3 +176,86 @@ def test_a_group_runs_one_item_after_another(concurrency):
     for group in groups_of(items):
         times = [span for item in group for span in sorted(spans[item.id])]
         assert all(prev[1] <= nxt[0] for prev, nxt in zip(times, times[1:]))  # one after another
+
+
+# -- the suffix systems ---------------------------------------------------------------------------
+def test_parse_suffix_systems():
+    suffix, nosuffix = runners.parse_systems("spec-suffix,spec-nosuffix", local=False)
+    assert (suffix.kind, suffix.method, suffix.num_draft_tokens, suffix.auto_methods) == ("gateway", "suffix", 0, ())
+    assert (nosuffix.method, nosuffix.num_draft_tokens, nosuffix.auto_methods) == ("auto", 0, ("model", "eagle", "ngram"))
+    for name in ("spec-suffix", "spec-nosuffix"):
+        with pytest.raises(ValueError, match="needs a gateway"):
+            runners.parse_systems(name, local=True)
+
+
+class FakeGateway:
+    """Stands in for ``GatewayClient``: answers every request with two tokens, keeping its arguments."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict] = []
+        self.lock = threading.Lock()
+
+    def stream(self, **kwargs):
+        from specdec.client import ChunkEvent, FinalEvent, build_request
+
+        build_request(**kwargs)  # the real client takes every argument the runner passes
+        with self.lock:
+            self.requests.append(kwargs)
+        yield ChunkEvent([1, 2], "ok")
+        yield FinalEvent("length", 3, 2, {}, [7, 8, 9])
+
+    def close(self) -> None:
+        pass
+
+
+def test_gateway_requests_carry_method_auto_methods_and_cache_scope():
+    from specdec.client import build_request
+
+    request = build_request(prompt="x", method="auto", cache_scope="run/spec/1", auto_methods=("model", "ngram"))
+    assert request.speculation.cache_scope == "run/spec/1" and list(request.speculation.auto_methods) == ["model", "ngram"]
+    gateway = FakeGateway()
+    runner = runners.GatewayRunner(gateway, "auto", 0, auto_methods=runners.NON_SUFFIX_METHODS, cache_scope="r/s/1")
+    outcome = runner.generate(messages=None, prompt="def f():", max_new_tokens=4, temperature=0.0, seed=1)
+    assert outcome.text == "ok" and outcome.token_ids == [1, 2]
+    sent = gateway.requests[0]
+    assert (sent["method"], sent["cache_scope"], tuple(sent["auto_methods"])) == ("auto", "r/s/1", ("model", "eagle", "ngram"))
+
+
+def test_bench_gives_every_system_and_round_a_cold_cache_scope(monkeypatch, tmp_path):
+    """Through run_bench with a stand-in gateway: each request names RUN_ID/SYSTEM/ROUND (the warm-up
+    a scope of its own), and a group's items share their round's scope."""
+    gateway = FakeGateway()
+    monkeypatch.setattr(bench_cli, "_gateway_client", lambda spec, address, args: gateway)
+    parser = argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    args = parser.parse_args(["--gateway", "localhost:1", "--prompts", "repetitive", "--limit", "4",
+                              "--systems", "spec-suffix,spec-nosuffix,baseline", "--rounds", "2",
+                              "--max-new-tokens", "4", "--out", str(tmp_path), "--no-progress"])
+    summary = bench_cli.run_bench(args)
+    run_id = summary["config"]["run_id"]
+    assert run_id and summary["systems"]["spec-nosuffix"]["auto_methods"] == ["model", "eagle", "ngram"]
+    assert summary["systems"]["spec-suffix"]["method"] == "suffix"
+    assert "suffix_vs_nosuffix" in summary["speedup"] and summary["suffix_vs_nosuffix_by_round"]["pair"] == [
+        "spec-suffix", "spec-nosuffix"]
+    assert "spec-suffix / spec-nosuffix within each interleaved round" in (tmp_path / "report.md").read_text()
+    items = prompts.load_prompts("repetitive", limit=4)
+    per_system = len(items) + sum(len(c.turns) - 1 for c in items)  # requests, one per turn
+    assert len(gateway.requests) == 3 * (per_system + 1)  # and one warm-up each
+    scopes = {r["cache_scope"] for r in gateway.requests}
+    assert scopes == {f"{run_id}/{system}/{name}" for system in ("spec-suffix", "spec-nosuffix", "baseline")
+                      for name in ("warmup", "1", "2")}
+    for request in gateway.requests:
+        system = request["cache_scope"].split("/")[1]
+        assert request["method"] == {"spec-suffix": "suffix", "spec-nosuffix": "auto", "baseline": "none"}[system]
+    # every item of a group ran in one round: all its requests named that round's scope
+    group_of = {c.turns[0]: c.group for c in items}
+    scopes_of_group: dict[str, set[str]] = {}
+    for request in gateway.requests:
+        if not request["cache_scope"].endswith("/warmup"):
+            first = request["messages"][0][1] if "messages" in request else request["prompt"]
+            scopes_of_group.setdefault(group_of[first], set()).add(request["cache_scope"])
+    assert set(scopes_of_group) == {c.group for c in items}
+    assert all(len(scopes) == 3 for scopes in scopes_of_group.values())  # one per system, one round each
+    rounds_of_group = {g: {scope.rsplit("/", 1)[1] for scope in scopes} for g, scopes in scopes_of_group.items()}
+    assert all(len(r) == 1 for r in rounds_of_group.values())
+    assert sorted(r for rs in rounds_of_group.values() for r in rs) == ["1", "1", "2", "2"]  # groups 0, 2 | 1, 3
