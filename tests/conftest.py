@@ -16,7 +16,7 @@ os.environ.setdefault("SPECDEC_RUNTIME", "torch")
 # start no service, server or subprocess. Every other module's tests are marked ``services``; a new
 # module lands there until it is listed here.
 UNIT_MODULES = frozenset({
-    "test_acceptance", "test_device_decisions", "test_distill", "test_distribution", "test_eagle",
+    "test_acceptance", "test_bench_prompts", "test_device_decisions", "test_distill", "test_distribution", "test_eagle",
     "test_gguf_runtime", "test_layer_parity", "test_layout", "test_lean_runtime", "test_policy", "test_protos",
     "test_sampling_keys", "test_service_config", "test_serving_tokenizer", "test_sim", "test_split",
     "test_static_kv", "test_stopping", "test_suffix",

@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import shlex
 import signal
 import sys
@@ -17,7 +18,8 @@ from pathlib import Path
 
 from specdec.bench import llamacpp, plots
 from specdec.bench.bound import compute_bound, k0_rounds_against_plain, machine_info
-from specdec.bench.load import effective_rounds, parse_concurrency, run_system
+from specdec.bench.conversation import Conversation, group_spans
+from specdec.bench.load import effective_rounds, parse_concurrency, round_blocks, run_system
 from specdec.bench.model_cache import ModelCache
 from specdec.bench.metrics import (
     RequestRecord,
@@ -29,7 +31,7 @@ from specdec.bench.metrics import (
     summarize_by_category,
     summarize_records,
 )
-from specdec.bench.prompts import Conversation, load_prompts
+from specdec.bench.prompts import load_prompts
 from specdec.bench.split_check import split_prediction
 from specdec.pass_options import DTYPE_ENV
 from specdec.synthetic import is_synthetic, parse_synthetic
@@ -46,6 +48,7 @@ from specdec.bench.runners import (
     LocalRunner,
     Runner,
     SystemSpec,
+    cache_scope,
     describe_error,
     hf_unavailable,
     parse_systems,
@@ -65,9 +68,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for local models (default: torch's; 1 is faster on a busy machine)")
     p.add_argument("--prompts", default="mt_bench",
-                   help="comma-separated: mt_bench, humaneval, translation (ours: drafts weak there) or JSONL paths "
-                        "(MT-bench or HumanEval format)")
-    p.add_argument("--limit", type=int, default=None, help="items per prompt set (categories taken in turn)")
+                   help="comma-separated: mt_bench, humaneval, translation (ours: drafts weak there), repetitive "
+                        "(ours: text repeats across requests, for suffix drafting) or JSONL paths (MT-bench or "
+                        "HumanEval format)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="items per prompt set (categories taken in turn; repetitive: whole groups of items)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0, help="request seeds and Poisson arrivals")
@@ -196,10 +201,13 @@ def _gateway_client(spec: SystemSpec, gateway_address: str | None, args):
     return GatewayClient(gateway_address, timeout=args.timeout)
 
 
-def _make_runner(spec: SystemSpec, client, models: ModelCache, first: Conversation, args) -> Runner:
-    """The runner of one system, warmed up with one short request (unless --no-warmup)."""
+def _make_runner(spec: SystemSpec, client, models: ModelCache, first: Conversation, args, run_id: str) -> Runner:
+    """The runner of one system, warmed up with one short request (unless --no-warmup) in a cache scope
+    of its own, which no measured round reads."""
     if spec.kind == "gateway":
-        runner: Runner = GatewayRunner(client, spec.method, spec.num_draft_tokens, spec.draft_ahead)
+        runner: Runner = GatewayRunner(client, spec.method, spec.num_draft_tokens, spec.draft_ahead,
+                                       auto_methods=spec.auto_methods,
+                                       cache_scope=cache_scope(run_id, spec.name, "warmup"))
     elif spec.kind == "local":
         drafter = models.drafter() if spec.method != "none" else None
         runner = LocalRunner(models.target(), drafter, spec.num_draft_tokens)
@@ -231,6 +239,7 @@ def run_bench(args) -> dict:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     conversations = load_prompts(args.prompts, args.limit)
+    run_id = secrets.token_hex(6)  # names this run's suffix cache scopes (cache_scope)
     systems = parse_systems(args.systems or (DEFAULT_LOCAL_SYSTEMS if args.local else DEFAULT_GATEWAY_SYSTEMS),
                             args.local)
     llamacpp.check_greedy(systems, args.temperature)
@@ -252,7 +261,7 @@ def run_bench(args) -> dict:
     runners: dict[str, Runner] = {}
     durations: dict[str, float] = {}
     round_rates: dict[str, list[float]] = {}  # output tokens/s of each round, per system
-    rounds = effective_rounds(args.rounds, len(conversations), args.concurrency)
+    rounds = effective_rounds(args.rounds, len(group_spans(conversations)), args.concurrency)
     try:
         for spec in systems:
             if spec.assisted and not args.draft_model:
@@ -266,20 +275,23 @@ def run_bench(args) -> dict:
         if control is not None:  # plain decoding records what the replay drafter proposes, and the target's step
             recording = SystemSpec("recording", "gateway", "none", 0)
             client = client or _gateway_client(recording, gateway_address, args)
-            records, _ = run_system(_make_runner(recording, client, models, conversations[0], args), "recording",
-                                    conversations, args, progress)
+            recorder = _make_runner(recording, client, models, conversations[0], args, run_id)
+            recorder.cache_scope = cache_scope(run_id, recording.name, "all")
+            records, _ = run_system(recorder, "recording", conversations, args, progress)
             control.record(records)
-        # Interleaved rounds: conversation i belongs to round i % R; each round runs every system,
-        # in reverse order every other round (A B, B A, ...), so a machine that slows down or speeds
-        # up during the run weighs on all systems alike instead of on whichever ran last.
-        for r in range(rounds):
-            block = list(range(r, len(conversations), rounds))
+        # Interleaved rounds: group g (conversation g, where the prompts have no groups) belongs to round
+        # g % R; each round runs every system, in reverse order every other round (A B, B A, ...), so a
+        # machine that slows down or speeds up during the run weighs on all systems alike instead of on
+        # whichever ran last.
+        for r, block in enumerate(round_blocks(conversations, rounds)):
             for spec in measured if r % 2 == 0 else measured[::-1]:
                 if control is not None:
                     control.activate(spec)
                 if spec.name not in runners:
                     client = client or _gateway_client(spec, gateway_address, args)
-                    runners[spec.name] = _make_runner(spec, client, models, conversations[0], args)
+                    runners[spec.name] = _make_runner(spec, client, models, conversations[0], args, run_id)
+                if isinstance(runners[spec.name], GatewayRunner):
+                    runners[spec.name].cache_scope = cache_scope(run_id, spec.name, str(r + 1))
                 label = spec.name if rounds == 1 else f"{spec.name} {r + 1}/{rounds}"
                 records, duration = run_system(runners[spec.name], label, [conversations[i] for i in block],
                                                args, progress, indices=block)
@@ -296,6 +308,8 @@ def run_bench(args) -> dict:
             if spec.kind != "hf":
                 summary["num_draft_tokens"] = spec.num_draft_tokens
                 summary["method"] = spec.method
+                if spec.auto_methods:
+                    summary["auto_methods"] = list(spec.auto_methods)
                 if spec.replay_acceptance is not None:
                     summary["replay_acceptance"] = spec.replay_acceptance
             summary["per_category"] = summarize_by_category(records)
@@ -319,6 +333,7 @@ def run_bench(args) -> dict:
         "config": {
             "mode": "local" if args.local else "gateway",
             "gateway": gateway_address,
+            "run_id": run_id,  # the gateway systems' suffix cache scopes are RUN_ID/SYSTEM/ROUND
             "target": args.target,
             "draft_model": args.draft_model,
             "dtype": os.environ.get(DTYPE_ENV, "auto"),
@@ -344,6 +359,9 @@ def run_bench(args) -> dict:
         "speedup": speedup,
         # The headline ratio's spread over the interleaved rounds (None with one round).
         "spec_vs_baseline_by_round": paired_round_ratios(summaries, spec_reference(summaries)) if rounds > 1 else None,
+        # suffix drafting's gain (issue #45) within each round, where both systems ran
+        "suffix_vs_nosuffix_by_round": (paired_round_ratios(summaries, "spec-suffix", "spec-nosuffix")
+                                        if rounds > 1 else None),
         "bound": bound,
         "k0_rounds": k0_rounds_against_plain(summaries, all_records),
         # llama.cpp's systems: the file and threads they ran with, the GGUF and fp32 forward curves

@@ -1,5 +1,6 @@
 """Load generation: conversations through a runner, back to back or on Poisson arrivals, with a bounded
-number of conversations in flight."""
+number of conversations in flight; the conversations of one group (``Conversation.group``) one after
+another in one stream, and split into interleaved rounds whole."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from specdec.bench.metrics import RequestRecord
-from specdec.bench.prompts import Conversation
+from specdec.bench.conversation import Conversation, group_spans
 from specdec.bench.runners import Messages, Runner, describe_error
 
 
@@ -78,25 +79,29 @@ def run_system(runner: Runner, system: str, conversations: list[Conversation], c
         with lock:
             bar.update(n)
 
+    # A group is one job: its items run one after another in one worker (a later item may reuse what
+    # an earlier one wrote), and arrives as one. An item outside a group is a group of its own.
+    groups = group_spans(conversations)
     if cfg.request_rate:
-        arrivals = poisson_arrivals(len(conversations), cfg.request_rate, cfg.seed)
-        workers = cfg.concurrency or len(conversations)
+        arrivals = poisson_arrivals(len(groups), cfg.request_rate, cfg.seed)
+        workers = cfg.concurrency or len(groups)
     else:
-        arrivals = [0.0] * len(conversations)
+        arrivals = [0.0] * len(groups)
         workers = cfg.concurrency or 1
     results: list[list[RequestRecord]] = [[] for _ in conversations]
     t0 = time.perf_counter()
 
-    def job(i: int) -> None:
-        results[i] = run_conversation(runner, system, conversations[i], indices[i], cfg, t0, done)
+    def job(g: int) -> None:
+        for i in groups[g]:
+            results[i] = run_conversation(runner, system, conversations[i], indices[i], cfg, t0, done)
 
-    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(conversations)))) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(groups)))) as pool:
         futures = []
-        for i, offset in enumerate(arrivals):
+        for g, offset in enumerate(arrivals):
             delay = t0 + offset - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
-            futures.append(pool.submit(job, i))
+            futures.append(pool.submit(job, g))
         for f in futures:
             f.result()
     duration = time.perf_counter() - t0
@@ -104,10 +109,21 @@ def run_system(runner: Runner, system: str, conversations: list[Conversation], c
     return [r for rs in results for r in rs], duration
 
 
-def effective_rounds(rounds: int, conversations: int, concurrency: int | None) -> int:
-    """--rounds, capped so that every round keeps ``concurrency`` conversations in flight."""
+def effective_rounds(rounds: int, groups: int, concurrency: int | None) -> int:
+    """--rounds, capped so that every round keeps ``concurrency`` groups (conversations, where the
+    prompts have no groups) in flight."""
     per_round = concurrency if isinstance(concurrency, int) and concurrency > 0 else 1
-    return max(1, min(rounds, conversations // per_round))
+    return max(1, min(rounds, groups // per_round))
+
+
+def round_blocks(conversations: list[Conversation], rounds: int) -> list[list[int]]:
+    """The positions each interleaved round runs: group g (an item outside a group is its own) goes to
+    round g % rounds, whole, so that a group's later items follow its earlier ones in the same round
+    (each round's suffix cache starts cold: ``specdec.bench.cli``)."""
+    blocks: list[list[int]] = [[] for _ in range(rounds)]
+    for g, span in enumerate(group_spans(conversations)):
+        blocks[g % rounds].extend(span)
+    return blocks
 
 
 def parse_concurrency(value) -> list[int] | None:

@@ -231,9 +231,11 @@ def compute_speedups(summaries: dict) -> dict:
         "hf_assisted_vs_hf": ratio(tps("hf-assisted"), tps("hf")),
     }
     for name in summaries:
-        if name.startswith("spec-k=") or name in ("spec-ahead", "spec-noahead"):
+        if name.startswith("spec-k=") or name in ("spec-ahead", "spec-noahead", "spec-suffix", "spec-nosuffix"):
             out[f"{name}_vs_baseline"] = ratio(tps(name), tps("baseline"))
     out["ahead_vs_noahead"] = ratio(tps("spec-ahead"), tps("spec-noahead"))
+    if "spec-suffix" in summaries or "spec-nosuffix" in summaries:  # what suffix drafting adds (issue #45)
+        out["suffix_vs_nosuffix"] = ratio(tps("spec-suffix"), tps("spec-nosuffix"))
     if tps(LLAMACPP):  # llama.cpp's plain decoding: the ratio a CPU user compares with
         for name in summaries:
             if name != LLAMACPP:

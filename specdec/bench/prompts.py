@@ -1,41 +1,16 @@
-"""The prompt sets of ``specdec bench``: built-in MT-bench and HumanEval, or JSONL files in either format."""
+"""The prompt sets of ``specdec bench``: built-in MT-bench and HumanEval, ``repetitive`` (generated from
+them), or JSONL files in either format."""
 
 from __future__ import annotations
 
-import gzip
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
-BUILTIN_PROMPTS = {
-    "mt_bench": ("mt_bench", "question.jsonl"),
-    "humaneval": ("humaneval", "HumanEval.jsonl.gz"),
-    "translation": ("translation", "prompts.jsonl"),  # ours: where drafts are weak (issue #46)
-}
+from specdec.bench.conversation import BUILTIN_PROMPTS, Conversation, builtin_prompt_path, group_spans, read_jsonl
+from specdec.bench.repetitive import build_repetitive
 
-
-@dataclass
-class Conversation:
-    """One benchmark item: a single text prompt, or chat turns asked one after another."""
-
-    id: str
-    category: str
-    turns: list[str]
-    chat: bool  # True: messages with the chat template; False: plain text prompt (no template)
-    source: str = ""
-
-
-def builtin_prompt_path(name: str) -> Path:
-    from importlib.resources import files
-
-    folder, filename = BUILTIN_PROMPTS[name]
-    return Path(str(files("specdec") / "data" / folder / filename))
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+# Sets built in code from the shipped files (specdec.bench.repetitive), not read from a file of their own.
+GENERATED_PROMPTS = ("repetitive",)  # ours: text repeats across requests (issue #45, suffix drafting)
+BUILTIN_NAMES = (*BUILTIN_PROMPTS, *GENERATED_PROMPTS)
 
 
 def parse_record(record: dict, source: str, index: int) -> Conversation:
@@ -53,37 +28,43 @@ def parse_record(record: dict, source: str, index: int) -> Conversation:
 
 
 def select_round_robin(items: list[Conversation], limit: int | None) -> list[Conversation]:
-    """The first ``limit`` items taking categories in turn (file order within a category)."""
-    if limit is None or limit >= len(items):
+    """The first ``limit`` groups taking categories in turn (file order within a category), each group
+    whole; an item outside a group is a group of its own, so ungrouped sets give ``limit`` items."""
+    groups = [items[span.start:span.stop] for span in group_spans(items)]
+    if limit is None or limit >= len(groups):
         return list(items)
-    by_category: dict[str, list[Conversation]] = {}
-    for item in items:
-        by_category.setdefault(item.category, []).append(item)
+    by_category: dict[str, list[list[Conversation]]] = {}
+    for group in groups:
+        by_category.setdefault(group[0].category, []).append(group)
     queues = list(by_category.values())
-    chosen: list[Conversation] = []
+    chosen: list[list[Conversation]] = []
     depth = 0
     while len(chosen) < limit:
         for queue in queues:
             if depth < len(queue) and len(chosen) < limit:
                 chosen.append(queue[depth])
         depth += 1
-    return chosen
+    return [item for group in chosen for item in group]
 
 
 def load_prompts(spec: str, limit: int | None = None) -> list[Conversation]:
-    """``spec``: comma-separated built-in names (``BUILTIN_PROMPTS``) or JSONL paths (.gz ok).
+    """``spec``: comma-separated built-in names (``BUILTIN_NAMES``) or JSONL paths (.gz ok).
 
-    ``limit`` applies to each set, taking its categories in turn.
+    ``limit`` applies to each set: that many groups (items, where a set has no groups), taking its
+    categories in turn.
     """
     conversations: list[Conversation] = []
     for part in [p.strip() for p in spec.split(",") if p.strip()]:
-        if part in BUILTIN_PROMPTS:
-            path, source = builtin_prompt_path(part), part
+        if part in GENERATED_PROMPTS:
+            items = build_repetitive()
         else:
-            path, source = Path(part), Path(part).name
-            if not path.exists():
-                raise ValueError(f"--prompts: {part!r} is neither {' nor '.join(BUILTIN_PROMPTS)} nor a file")
-        items = [parse_record(r, source, i) for i, r in enumerate(read_jsonl(path))]
+            if part in BUILTIN_PROMPTS:
+                path, source = builtin_prompt_path(part), part
+            else:
+                path, source = Path(part), Path(part).name
+                if not path.exists():
+                    raise ValueError(f"--prompts: {part!r} is neither {' nor '.join(BUILTIN_NAMES)} nor a file")
+            items = [parse_record(r, source, i) for i, r in enumerate(read_jsonl(path))]
         conversations.extend(select_round_robin(items, limit))
     if not conversations:
         raise ValueError("--prompts: no prompts")

@@ -116,9 +116,10 @@ def render_report(summary: dict) -> str:
     for key, value in speed.items():
         lines.append(f"| {key} | {fmt(value, digits=3)} |")
     lines.append("")
-    if by_round := summary.get("spec_vs_baseline_by_round"):
-        lines += [f"{by_round['pair'][0]} / {by_round['pair'][1]} within each interleaved round: "
-                  f"{format_round_ratios(by_round)}", ""]
+    for by_round in (summary.get("spec_vs_baseline_by_round"), summary.get("suffix_vs_nosuffix_by_round")):
+        if by_round:
+            lines += [f"{by_round['pair'][0]} / {by_round['pair'][1]} within each interleaved round: "
+                      f"{format_round_ratios(by_round)}", ""]
     if summary.get("llamacpp"):
         lines += render_llamacpp(summary["llamacpp"])
 

@@ -7,12 +7,16 @@ import re
 import time
 from dataclasses import dataclass, field
 
-SYSTEM_KINDS = ("spec", "spec-k=N", "spec-k=N-ahead", "spec-k=N-noahead", "spec-ahead", "spec-noahead", "baseline",
-                "inprocess", "hf", "hf-assisted", "llamacpp", "llamacpp-lookup")
+SYSTEM_KINDS = ("spec", "spec-k=N", "spec-k=N-ahead", "spec-k=N-noahead", "spec-ahead", "spec-noahead", "spec-suffix",
+                "spec-nosuffix", "baseline", "inprocess", "hf", "hf-assisted", "llamacpp", "llamacpp-lookup")
 # spec-k=N, spec-k=N-ahead, spec-k=N-noahead: a fixed draft length, draft-ahead as the gateway's default / on / off.
 FIXED_K_SYSTEM = re.compile(r"spec-k=(\d+)(-ahead|-noahead)?")
 DEFAULT_GATEWAY_SYSTEMS = "spec,baseline"
 DEFAULT_LOCAL_SYSTEMS = "inprocess,baseline,hf"
+# The suffix drafter (issue #45) against auto over every other method: what suffix drafting adds.
+SUFFIX_METHOD = "suffix"
+NON_SUFFIX_METHODS = ("model", "eagle", "ngram")
+SUFFIX_SYSTEMS = {"spec-suffix": (SUFFIX_METHOD, ()), "spec-nosuffix": ("auto", NON_SUFFIX_METHODS)}
 # llama.cpp in this process on the target's GGUF file (specdec.bench.llamacpp): plain, and prompt lookup
 LLAMACPP_KIND = "llamacpp"
 LOOKUP_METHOD = "lookup"
@@ -24,11 +28,12 @@ LLAMACPP_SYSTEMS = {LLAMACPP: "none", f"{LLAMACPP}-lookup": LOOKUP_METHOD}  # na
 class SystemSpec:
     name: str
     kind: str  # "gateway" | "local" | "hf" | "llamacpp"
-    method: str = "auto"  # gateway: auto | none; local: draft | none; llamacpp: none | lookup
+    method: str = "auto"  # gateway: auto | none | suffix; local: draft | none; llamacpp: none | lookup
     num_draft_tokens: int = 0  # 0 = adaptive
     assisted: bool = False
     draft_ahead: bool | None = None  # gateway: None = the gateway's default
     replay_acceptance: float | None = None  # gateway: drafted by the replay drafter at this acceptance
+    auto_methods: tuple[str, ...] = ()  # gateway, method auto: what auto may choose among (() = all)
 
 
 def parse_systems(text: str, local: bool) -> list[SystemSpec]:
@@ -48,6 +53,11 @@ def parse_systems(text: str, local: bool) -> list[SystemSpec]:
             if local:
                 raise ValueError(f"--systems: {name} needs a gateway (draft-ahead overlaps separate services)")
             spec = SystemSpec(name, stack, "auto", 0, draft_ahead=name == "spec-ahead")
+        elif name in SUFFIX_SYSTEMS:
+            if local:
+                raise ValueError(f"--systems: {name} needs a gateway (the suffix drafter and its cache live there)")
+            method, auto_methods = SUFFIX_SYSTEMS[name]
+            spec = SystemSpec(name, stack, method, 0, auto_methods=auto_methods)
         elif name == "baseline":
             spec = SystemSpec(name, stack, "none", 0)
         elif name == "inprocess":
@@ -115,17 +125,24 @@ class Runner:
 
 
 class GatewayRunner(Runner):
-    def __init__(self, client, method: str, num_draft_tokens: int, draft_ahead: bool | None = None) -> None:
+    """Requests through the gateway. ``cache_scope``: the suffix cache scope every request names (the
+    bench sets one per system and round, ``specdec.bench.cli``); ``auto_methods``: what auto may choose."""
+
+    def __init__(self, client, method: str, num_draft_tokens: int, draft_ahead: bool | None = None,
+                 auto_methods: tuple[str, ...] = (), cache_scope: str = "") -> None:
         self.client = client
         self.method = method
         self.num_draft_tokens = num_draft_tokens
         self.draft_ahead = draft_ahead
+        self.auto_methods = tuple(auto_methods)
+        self.cache_scope = cache_scope
 
     def generate(self, *, messages, prompt, max_new_tokens, temperature, seed) -> Outcome:
         from specdec.client import ChunkEvent
 
         kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                      method=self.method, num_draft_tokens=self.num_draft_tokens, draft_ahead=self.draft_ahead)
+                      method=self.method, num_draft_tokens=self.num_draft_tokens, draft_ahead=self.draft_ahead,
+                      cache_scope=self.cache_scope, auto_methods=self.auto_methods)
         if messages is not None:
             kwargs["messages"] = messages
         else:
@@ -144,6 +161,15 @@ class GatewayRunner(Runner):
         outcome = clock.outcome(text, final.finish_reason, dict(final.stats))
         outcome.token_ids, outcome.prompt_token_ids = token_ids, list(final.prompt_token_ids)
         return outcome
+
+
+def cache_scope(run_id: str, system: str, round_name: str) -> str:
+    """The suffix cache scope of one system's round (issue #45). A scope of its own per system, so that
+    no system drafts from another's outputs of the same prompts (greedy: the very same text); per
+    round, so that every round starts cold and rounds stay alike (a later round does not reuse an
+    earlier one's, and the alternating order is not tilted); per run (``run_id``, random), so that a
+    gateway that outlives a bench does not feed the next one."""
+    return f"{run_id}/{system}/{round_name}"
 
 
 def encode(tokenizer, messages: Messages | None, prompt: str | None) -> list[int]:
