@@ -439,6 +439,9 @@ class GatewayCore:
                 if isinstance(event, GenerationResult):
                     obs.finish(event)
                     stats = event.stats
+                    if not isinstance(drafter_link, LocalDrafter) or method != "suffix":
+                        self.suffix_drafter.remember(cache_scope_key(request.tenant, request.cache_scope),
+                                                     prompt_ids, event.token_ids)
                     self.method_chooser.report(self._method_key(method, draft_model, target_model),
                                                stats.emitted_in_rounds, stats.verify_s + stats.draft_s)
                     self.metrics.draft_tokens.inc(event.stats.draft_tokens)

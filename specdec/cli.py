@@ -16,8 +16,9 @@ from specdec.service_config import (CLIENT_API_KEY_ENV, DEFAULT_LOG_LEVEL, DEFAU
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="apply the target's chat template to PROMPT")
-    p.add_argument("--draft", choices=["auto", "model", "eagle", "ngram", "none"], default="auto",
-                   help="draft method (eagle: an EAGLE head over the target's features)")
+    p.add_argument("--draft", choices=["auto", "model", "eagle", "ngram", "suffix", "none"], default="auto",
+                   help="draft method (eagle: an EAGLE head over the target's features; suffix: lookup in the "
+                        "request's own text and, through a gateway, this tenant's earlier outputs)")
     p.add_argument("--num-draft-tokens", "-k", type=int, default=0, help="draft tokens per round (0 = adaptive)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -108,6 +109,7 @@ def _generate_local(args) -> int:
     from specdec.completion import Chunk
     from specdec.drafters import ModelDrafter
     from specdec.drafting import NgramDrafter
+    from specdec.suffix import SuffixDrafter
     from specdec.models import check_compatible, default_draft_model, load_model
     from specdec.prompts import encode_chat, encode_text
     from specdec.local import LocalEngine
@@ -138,6 +140,8 @@ def _generate_local(args) -> int:
         drafter = EagleDrafter.load(head, target)
     elif method == "ngram":
         drafter = NgramDrafter()
+    elif method == "suffix":
+        drafter = SuffixDrafter()
     tokenizer = target.tokenizer
     prompt_ids = encode_chat(tokenizer, [("user", args.prompt)]) if args.chat else encode_text(tokenizer, args.prompt)
     kwargs = _sampling_kwargs(args)

@@ -272,31 +272,33 @@ class SuffixCache:
 
 class AcceptanceCalibration:
     """How far the cache's own estimate (a continuation's share of the matched occurrences) is to be
-    trusted, per match length: the target accepts a draft whose share is s with probability
-    s x rate(match length), given the drafts before it were accepted. Learned from the outcomes
-    (successes over summed shares, a Beta-like prior, older outcomes fading); shared by every
-    scope (it holds no text). Thread-safe."""
+    trusted: the target accepts a draft whose share is s with probability s x rate, given the
+    drafts before it were accepted, with one rate per match length and per whether the session's
+    previous draft was accepted whole (``copying``: the text is following an earlier one; right
+    after a miss it has just left it). Learned from the outcomes (successes over summed shares, a
+    Beta-like prior, older outcomes fading); shared by every scope (it holds no text). Thread-safe."""
 
     BUCKETS = (4, 8, 16, 32)  # match lengths below each bound share a rate; longer ones one more
 
     def __init__(self, prior_accepted: float = 2.0, prior_rejected: float = 1.0, keep: float = 0.998) -> None:
         self.prior = (prior_accepted, prior_rejected)
         self.keep = keep
-        self.accepted = [0.0] * (len(self.BUCKETS) + 1)
-        self.weight = [0.0] * (len(self.BUCKETS) + 1)
+        self.accepted = [0.0] * (2 * len(self.BUCKETS) + 2)
+        self.weight = [0.0] * (2 * len(self.BUCKETS) + 2)
         self._lock = threading.Lock()
 
-    def bucket(self, match_length: int) -> int:
-        return next((i for i, bound in enumerate(self.BUCKETS) if match_length < bound), len(self.BUCKETS))
+    def bucket(self, match_length: int, copying: bool) -> int:
+        b = next((i for i, bound in enumerate(self.BUCKETS) if match_length < bound), len(self.BUCKETS))
+        return 2 * b + int(copying)
 
-    def rate(self, match_length: int) -> float:
-        b = self.bucket(match_length)
+    def rate(self, match_length: int, copying: bool) -> float:
+        b = self.bucket(match_length, copying)
         a, r = self.prior
         return (self.accepted[b] + a) / (self.weight[b] + a + r)
 
-    def estimates(self, cumulative_shares: Sequence[float], match_length: int) -> list[float]:
+    def estimates(self, cumulative_shares: Sequence[float], match_length: int, copying: bool) -> list[float]:
         """Per i, the estimated probability that drafts 1..i + 1 are all accepted."""
-        rate, out, p, previous = self.rate(match_length), [], 1.0, 1.0
+        rate, out, p, previous = self.rate(match_length, copying), [], 1.0, 1.0
         for cumulative in cumulative_shares:
             share = cumulative / previous
             previous = cumulative
@@ -304,27 +306,58 @@ class AcceptanceCalibration:
             out.append(p)
         return out
 
-    def record(self, draft: SuffixDraft, committed: Sequence[int]) -> None:
-        """The tokens committed after ``draft`` was proposed: each draft up to the first miss was a
-        trial (the one after an accepted block is compared with the bonus token, which under
-        greedy decoding is what verifying it would have decided)."""
-        b = self.bucket(draft.match_length)
-        accepted = weight = 0.0
-        previous = 1.0
-        for token, cumulative, actual in zip(draft.tokens, draft.cumulative_probs, committed):
-            weight += cumulative / previous
-            previous = cumulative
-            if token != actual:
-                break
-            accepted += 1.0
-        if weight == 0.0:
+    def record(self, draft: SuffixDraft, accepted: int, copying: bool) -> None:
+        """A candidate's outcome: its first ``accepted`` tokens were what the target committed
+        there, and the next one (if any) was not. Each token up to the miss was a trial."""
+        trials = min(len(draft.tokens), accepted + 1)
+        if trials == 0:
             return
+        shares = [c / p for c, p in zip(draft.cumulative_probs, [1.0, *draft.cumulative_probs])]
+        b = self.bucket(draft.match_length, copying)
         with self._lock:
             for i in range(len(self.weight)):  # every bucket fades, so an idle one does not stay stale
                 self.accepted[i] *= self.keep
                 self.weight[i] *= self.keep
             self.accepted[b] += accepted
-            self.weight[b] += weight
+            self.weight[b] += sum(shares[:trials])
+
+
+class CandidateTracker:
+    """Scores a session's candidates against the tokens the target then commits, whether or not
+    they were verified (a candidate the loop trimmed to nothing still says whether it was right:
+    under greedy decoding the committed tokens are what verifying it would have accepted). One
+    candidate at a time, so a copy that is proposed again every round counts once per round it was
+    tracked, not once per overlapping proposal. This is what lets a calibration that came to
+    distrust the cache learn that it is right again without paying for a single verified draft."""
+
+    def __init__(self, calibration: AcceptanceCalibration) -> None:
+        self.calibration = calibration
+        self.draft = NO_DRAFT
+        self.matched = 0
+        self.copying_at_proposal = False
+        self.copying = False  # the last tracked candidate was right to its end
+
+    def propose(self, draft: SuffixDraft) -> None:
+        if not self.draft.tokens and draft.tokens:
+            self.draft, self.matched, self.copying_at_proposal = draft, 0, self.copying
+
+    def committed(self, tokens: Sequence[int]) -> None:
+        draft = self.draft
+        for actual in tokens:
+            if not draft.tokens:
+                return
+            if draft.tokens[self.matched] != actual:
+                self._resolve(missed=True)
+                return
+            self.matched += 1
+            if self.matched == len(draft.tokens):
+                self._resolve(missed=False)
+                return
+
+    def _resolve(self, missed: bool) -> None:
+        self.calibration.record(self.draft, self.matched, self.copying_at_proposal)
+        self.copying = not missed
+        self.draft, self.matched = NO_DRAFT, 0
 
 
 def draft_limit(config: SuffixConfig, match_length: int, max_tokens: int) -> int:
@@ -347,13 +380,11 @@ class SuffixDraftSession(DraftSession):
         self.serial = self.cache.new_document() if self.cache is not None else None
         self.lead_in = list(prompt_ids[-PROMPT_LEAD_IN:])  # goes in before the first output token
         self.calibration = drafter.calibration
-        self.last_draft = NO_DRAFT  # the latest proposal, until the tokens after it say how it fared
+        self.tracker = CandidateTracker(self.calibration)
 
     def extend(self, committed: list[int]) -> None:
         committed = [int(t) for t in committed]
-        if self.last_draft.tokens and committed:
-            self.calibration.record(self.last_draft, committed)
-            self.last_draft = NO_DRAFT
+        self.tracker.committed(committed)
         super().extend(committed)
         self.own.add(0, committed)
         if self.cache is not None and committed:
@@ -378,8 +409,8 @@ class SuffixDraftSession(DraftSession):
             if shared.score > best.score:
                 best = shared
         if not self.assumed:  # a draft-ahead block continues tokens not committed yet: not comparable
-            self.last_draft = best
-        estimates = self.calibration.estimates(best.cumulative_probs, best.match_length)
+            self.tracker.propose(best)
+        estimates = self.calibration.estimates(best.cumulative_probs, best.match_length, self.tracker.copying)
         return DraftProposal(list(best.tokens), None, estimates)
 
 
@@ -401,6 +432,14 @@ class SuffixDrafter(Drafter):
     def start_in_scope(self, prompt_ids: list[int], params: SamplingParams, scope: str) -> DraftSession:
         """Requests of different scopes never draft from each other's text."""
         return SuffixDraftSession(prompt_ids, params, self, scope)
+
+
+    def remember(self, scope: str, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        """Cache the output of a request that drafted otherwise (a draft model, plain decoding), so
+        that suffix lookup, and ``auto``'s measure of it, see every output of the scope."""
+        if self.cache is not None and output_ids:
+            self.cache.add(scope, self.cache.new_document(),
+                           [*prompt_ids[-PROMPT_LEAD_IN:], *(int(t) for t in output_ids)], new=True)
 
 
 def cache_scope_key(tenant: str, cache_scope: str) -> str:

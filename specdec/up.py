@@ -33,9 +33,11 @@ def add_arguments(up: argparse.ArgumentParser, default_target: str) -> None:
     up.add_argument("--target", default=default_target)
     up.add_argument("--draft-model", default=None,
                     help="draft model (default: the shipped draft for the embedded target, else n-gram lookup)")
-    up.add_argument("--draft-method", choices=["auto", "model", "eagle", "ngram", "replay"], default="auto",
-                    help="auto: model if there is a draft model, else ngram (never replay, which is for benchmarks); "
-                         "eagle: --draft-model is an EAGLE head directory for --target")
+    up.add_argument("--draft-method", choices=["auto", "model", "eagle", "ngram", "suffix", "replay"], default="auto",
+                    help="the drafter service's method. auto: model if there is a draft model, else ngram (never "
+                         "replay, which is for benchmarks); eagle: --draft-model is an EAGLE head directory for "
+                         "--target; suffix: a suffix drafter service (the gateway drafts suffix itself anyway: "
+                         "docs/suffix.md)")
     up.add_argument("--replay-file", default=None,
                     help="--draft-method replay: the file specdec bench writes (recordings, acceptance, cost)")
     up.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=False)

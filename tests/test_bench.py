@@ -555,7 +555,10 @@ def test_bench_up_tiny(tiny_pair, prompt_file, tmp_path):
     assert summary["systems"]["spec-noahead"]["ahead_blocks"] == 0
     assert summary["speedup"]["ahead_vs_noahead"] > 0
     assert "injected by the gateway this bench started" in (out / "report.md").read_text()
-    assert summary["systems"]["spec"]["draft_method"] == "model"
+    # auto drafts each request with the model or suffix lookup, whichever its finished requests measured faster
+    spec = summary["systems"]["spec"]
+    assert set(spec["draft_method_counts"]) <= {"model", "suffix"} and spec["draft_method"] in spec["draft_method_counts"]
+    assert sum(spec["draft_method_counts"].values()) == spec["completed"], spec
     assert summary["systems"]["baseline"]["acceptance_rate"] is None
     assert set(summary["systems"]["spec-k=2"]["k_counts"]) <= {"0", "1", "2"}
     assert summary["speedup"]["spec_vs_baseline"] > 0

@@ -10,7 +10,7 @@ import tracemalloc
 import pytest
 
 from specdec.policy.method_choice import MethodChooser
-from specdec.suffix import (SuffixCache, SuffixConfig, SuffixDrafter, SuffixIndex, cache_scope_key,
+from specdec.suffix import (SuffixCache, SuffixConfig, SuffixDraft, SuffixDrafter, SuffixIndex, cache_scope_key,
                             continue_match)
 from specdec.wire_types import SamplingParams
 
@@ -190,3 +190,68 @@ def test_method_chooser_tries_each_then_takes_the_fastest_and_explores():
     assert chooser.rates()["s"] < 50
     assert [chooser.choose(candidates) for _ in range(3)].count("model") >= 2
     assert chooser.choose([]) is None
+
+
+def test_confidence_policy_verifies_the_prefix_of_the_best_expected_rate():
+    from specdec.policy.base import RoundObservation
+    from specdec.policy.confidence import ConfidenceDraftLength
+    from specdec.policy.memory import AcceptanceMemory
+
+    # A compute-bound verifier: 10 ms for one token, +4 ms per further token.
+    curve = [0.010 + 0.004 * k for k in range(17)]
+    policy = ConfidenceDraftLength(max_k=16, forward_curve=curve, margin=0.0)
+    assert policy.choose(5) == 5 and policy.choose(40) == 16  # the drafter is asked for all it may draft
+    assert policy.prefix_length([0.3, 0.1]) == 0  # 1.3 tokens in 14 ms is worse than 1 in 10
+    assert policy.prefix_length([0.99] * 16) == 16  # a sure copy: as long as it goes
+    # Sure for four tokens, then unlikely: stop after the fourth.
+    assert policy.prefix_length([0.98, 0.97, 0.96, 0.95, 0.1, 0.01, 0.001]) == 4
+    # Rounds that cost more than the curve says (a verify-ahead pass before the drafts) are learned.
+    memory, key = AcceptanceMemory(), ("suffix", "", "t")
+    costly = ConfidenceDraftLength(max_k=16, forward_curve=curve, margin=0.0, memory=memory, key=key)
+    for _ in range(30):
+        costly.observe(RoundObservation(num_drafts=0, num_accepted=0, draft_s=0.0, verify_s=0.010))
+        costly.observe(RoundObservation(num_drafts=2, num_accepted=2, draft_s=0.0, verify_s=0.030))
+    assert policy.prefix_length([0.9, 0.8]) == 2 and costly.prefix_length([0.9, 0.8]) == 0
+    costly.close()
+    warm = ConfidenceDraftLength(max_k=16, forward_curve=curve, margin=0.0, memory=memory, key=key)
+    assert warm.prefix_length([0.9, 0.8]) == 0  # a new session knows it from its first round
+    # Beside seven other sessions in a shared pass, my drafts lengthen their rounds too.
+    shared = ConfidenceDraftLength(max_k=16, forward_curve=curve, margin=0.0, co_batched=7)
+    assert shared.prefix_length([0.9, 0.8, 0.7]) < policy.prefix_length([0.9, 0.8, 0.7])
+
+
+def test_calibration_learns_how_far_the_cache_is_right():
+    from specdec.suffix import AcceptanceCalibration, SuffixDraft
+
+    calibration = AcceptanceCalibration()
+    prior = calibration.rate(40, copying=True)
+    draft = SuffixDraft([1, 2, 3, 4], [1.0, 1.0, 1.0, 1.0], match_length=40, serial=None)
+    for _ in range(200):  # long matches that are right: trusted more
+        calibration.record(draft, 4, copying=True)
+    assert calibration.rate(40, copying=True) > 0.95 > prior
+    for _ in range(200):  # short matches right after a miss that are wrong at once: trusted less
+        calibration.record(SuffixDraft([7, 8], [1.0, 1.0], 3, None), 0, copying=False)
+    assert calibration.rate(3, copying=False) < 0.1
+    assert calibration.rate(40, copying=True) > 0.9  # the other bucket kept its own
+    estimates = calibration.estimates([1.0, 0.5, 0.5], 40, copying=True)
+    assert estimates[0] > 0.9 and estimates[1] == pytest.approx(estimates[0] * 0.5 * calibration.rate(40, True))
+
+
+def test_candidates_trimmed_to_nothing_still_teach_the_calibration():
+    """A session whose calibration distrusts the cache drafts nothing, yet its candidates are scored
+    against what the target commits: once they prove right, the estimates rise and it drafts."""
+    drafter = SuffixDrafter(SuffixConfig(max_cached_tokens=10_000))
+    calibration = drafter.calibration
+    for _ in range(300):  # a history of misses
+        calibration.record(SuffixDraft([1] * 8, [1.0] * 8, 40, None), 0, copying=False)
+    low = calibration.rate(40, copying=False)
+    text = list(range(300, 400))
+    earlier = drafter.start_in_scope([1, 2], PARAMS, "s")
+    earlier.extend(text)
+    earlier.close()
+    session = drafter.start_in_scope([1, 2], PARAMS, "s")
+    for position in range(len(text)):
+        session.propose(16)  # the loop would verify none of it; one token is committed per round
+        session.extend(text[position:position + 1])
+    assert session.tracker.copying
+    assert calibration.rate(40, copying=True) > 0.9 and calibration.rate(40, copying=False) > low

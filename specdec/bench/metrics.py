@@ -4,7 +4,7 @@ token), throughput, speculation figures per system and category, and the speedup
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -154,8 +154,10 @@ def summarize_records(records: Sequence[RequestRecord], duration_s: float) -> di
         emitted = sum(float(s.get("mean_accepted_length", 0.0)) * int(s.get("rounds", 0)) for s in stats)
         pos_drafted, pos_accepted = merge_position_counts(stats)
         ks = [int(k) for s in stats for k in s.get("k_history") or []]
+        methods = Counter(str(s.get("draft_method")) for s in stats)  # auto may choose per request
         out.update({
-            "draft_method": stats[0].get("draft_method"),
+            "draft_method": methods.most_common(1)[0][0],
+            "draft_method_counts": dict(methods),
             "rounds": rounds,
             "draft_tokens": drafted,
             "accepted_tokens": accepted,

@@ -10,8 +10,8 @@
 See docs/adaptive.md.
 """
 
-from specdec.policy.adaptive import AdaptiveDraftLength, PolicyMemory, make_policy
-from specdec.policy.base import DraftLengthPolicy, FixedDraftLength, HeuristicDraftLength, RoundObservation
+from specdec.policy.adaptive import AdaptiveDraftLength, make_policy
+from specdec.policy.base import DraftLengthPolicy, FixedDraftLength, HeuristicDraftLength, PolicyMemory, RoundObservation
 from specdec.policy.config import AdaptiveConfig
 from specdec.policy.estimators import AcceptanceEstimator, DraftCostModel, VerifyCostModel
 from specdec.policy.memory import AcceptanceMemory, MemoryEntry, MemoryKey

@@ -18,33 +18,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Hashable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
-from specdec.policy.base import DraftLengthPolicy, FixedDraftLength, RoundObservation
+from specdec.policy.base import DraftLengthPolicy, FixedDraftLength, PolicyMemory, RoundObservation
 from specdec.policy.confidence import ConfidenceDraftLength
 from specdec.policy.config import AdaptiveConfig
 from specdec.policy.estimators import AcceptanceEstimator, DraftCostModel, VerifyCostModel
-
-
-class WarmStart(Protocol):
-    """A memory entry as the policy reads it: its estimators' ``state()`` dicts."""
-
-    acceptance: dict
-    verify: dict
-    draft: dict
-
-
-class PolicyMemory(Protocol):
-    """What the policy needs of its memory; ``specdec.policy.memory.AcceptanceMemory`` is the one.
-    (A protocol, not an import: that module imports this one for ``AcceptanceMemory.create``.)"""
-
-    def get(self, key: Hashable) -> WarmStart | None: ...
-
-    def report(self, key: Hashable, acceptance: dict, verify: dict, draft: dict) -> None: ...
-
-    def note_probe_cost(self, key: Hashable, kind: str, seconds: float) -> None: ...
-
-    def probe_cost(self, key: Hashable, kind: str) -> float | None: ...
 
 
 def _tunable(name: str) -> property:
@@ -451,5 +430,5 @@ def make_policy(
         return FixedDraftLength(min(num_draft_tokens, max_k))
     if drafter_estimates:
         return ConfidenceDraftLength(max_k=max_k, forward_curve=kwargs.get("forward_curve"),
-                                     co_batched=kwargs.get("co_batched", 0.0))
+                                     co_batched=kwargs.get("co_batched", 0.0), memory=memory, key=key)
     return AdaptiveDraftLength(max_k=max_k, memory=memory, key=key, **kwargs)

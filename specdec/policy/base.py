@@ -8,7 +8,30 @@ to their ``AcceptanceMemory`` there). The adaptive policy is in ``specdec.policy
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Protocol
+
+
+class WarmStart(Protocol):
+    """A memory entry as the policy reads it: its estimators' ``state()`` dicts."""
+
+    acceptance: dict
+    verify: dict
+    draft: dict
+
+
+class PolicyMemory(Protocol):
+    """What the policy needs of its memory; ``specdec.policy.memory.AcceptanceMemory`` is the one.
+    (A protocol, not an import: that module imports the adaptive policy for ``AcceptanceMemory.create``.)"""
+
+    def get(self, key: Hashable) -> WarmStart | None: ...
+
+    def report(self, key: Hashable, acceptance: dict, verify: dict, draft: dict) -> None: ...
+
+    def note_probe_cost(self, key: Hashable, kind: str, seconds: float) -> None: ...
+
+    def probe_cost(self, key: Hashable, kind: str) -> float | None: ...
 
 
 @dataclass(frozen=True)

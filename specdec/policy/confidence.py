@@ -11,30 +11,51 @@ and the loop verifies the prefix of the best expected rate:
 
 with P_i the drafter's estimate that drafts 1..i are all accepted and t_verify the round's cost
 for n drafts (``VerifyCostModel``: the verifier's measured forward curve plus what this session's
-rounds cost beyond it, read beside the other sessions' rows in a shared pass).
+rounds cost beyond it, read beside the other sessions' rows in a shared pass). In a shared pass my
+drafts also lengthen the other sessions' rounds; that is counted as my cost too (goodput, as
+SmartSpec and ``AdaptiveDraftLength`` count it): t(n) = t_verify(n) + others x (t_verify(n) - t_verify(0)).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
-from specdec.policy.base import DraftLengthPolicy, RoundObservation
+from specdec.policy.base import DraftLengthPolicy, PolicyMemory, RoundObservation
 from specdec.policy.estimators import VerifyCostModel
+
+# This policy learns no acceptance (the drafter estimates its own); what it reports to the memory.
+NO_ACCEPTANCE = {"successes": 0.0, "trials": 0.0, "pos_successes": [], "pos_trials": []}
 
 
 class ConfidenceDraftLength(DraftLengthPolicy):
     name = "confidence"
 
     def __init__(self, max_k: int = 16, forward_curve: Sequence[float] | None = None, margin: float = 0.02,
-                 cost_decay: float = 0.95, co_batched: float = 0.0) -> None:
+                 cost_decay: float = 0.95, co_batched: float = 0.0, memory: PolicyMemory | None = None,
+                 key: Hashable | None = None, warm_cost_weight: float = 8.0) -> None:
         if max_k < 0:
             raise ValueError("max_k must be >= 0")
         self.max_k = max_k
+        self.memory = memory
+        self.key = key
         self.margin = margin
         self.cost_decay = cost_decay
         self.verify = VerifyCostModel(decay=cost_decay, forward_curve=forward_curve)
-        self.other_rows = max(0.0, float(co_batched))  # other sessions' tokens in this session's passes
+        self.co_batched = max(0.0, float(co_batched))  # other sessions in this session's passes, recent mean
+        self.other_rows = self.co_batched  # ... and their tokens
         self.verify.set_other_rows(self.other_rows)
+        # What earlier sessions of this key paid per draft count (a drafted round after a plain one
+        # also waits for the verifier's verify-ahead pass): from the first round, not after a few.
+        entry = memory.get(key) if memory is not None and key is not None else None
+        if entry is not None:
+            self.verify.load(entry.verify, warm_cost_weight)
+        self._closed = False
+
+    def close(self) -> None:
+        if self._closed or self.memory is None or self.key is None:
+            return
+        self._closed = True
+        self.memory.report(self.key, NO_ACCEPTANCE, self.verify.state(), {})
 
     def choose(self, max_k: int) -> int:
         return max(0, min(self.max_k, max_k))
@@ -60,7 +81,7 @@ class ConfidenceDraftLength(DraftLengthPolicy):
         expected = 1.0
         for i, p in enumerate(acceptance_estimates, start=1):
             expected += p
-            rate = expected / max(costs[i], 1e-9)
+            rate = expected / max(costs[i] + self.co_batched * (costs[i] - costs[0]), 1e-9)
             if rate > best_rate:
                 best, best_rate = i, rate
         return best
@@ -69,6 +90,7 @@ class ConfidenceDraftLength(DraftLengthPolicy):
         k = max(0, int(outcome.num_drafts))
         others = None
         if outcome.batch_size > 0:
+            self.co_batched = self.cost_decay * self.co_batched + (1.0 - self.cost_decay) * float(outcome.batch_size - 1)
             others = max(0.0, float(outcome.batch_tokens - (k + 1))) if outcome.batch_tokens > 0 else float(outcome.batch_size - 1)
         self.verify.update(k, float(outcome.verify_s), others)
         if others is not None:
