@@ -278,7 +278,9 @@ class AcceptanceCalibration:
     after a miss it has just left it). Learned from the outcomes (successes over summed shares, a
     Beta-like prior, older outcomes fading); shared by every scope (it holds no text). Thread-safe."""
 
-    BUCKETS = (4, 8, 16, 32)  # match lengths below each bound share a rate; longer ones one more
+    # Match lengths below each bound share a rate; the longest (max_depth 64 reached: the last 64
+    # tokens are an earlier text's, a resent request's) one more.
+    BUCKETS = (4, 8, 16, 32, 64)
 
     def __init__(self, prior_accepted: float = 2.0, prior_rejected: float = 1.0, keep: float = 0.998) -> None:
         self.prior = (prior_accepted, prior_rejected)
@@ -322,6 +324,9 @@ class AcceptanceCalibration:
             self.weight[b] += sum(shares[:trials])
 
 
+COPYING_AFTER = 4  # a candidate right this far says the text is following an earlier one
+
+
 class CandidateTracker:
     """Scores a session's candidates against the tokens the target then commits, whether or not
     they were verified (a candidate the loop trimmed to nothing still says whether it was right:
@@ -350,6 +355,8 @@ class CandidateTracker:
                 self._resolve(missed=True)
                 return
             self.matched += 1
+            if self.matched >= COPYING_AFTER:
+                self.copying = True
             if self.matched == len(draft.tokens):
                 self._resolve(missed=False)
                 return

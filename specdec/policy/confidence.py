@@ -7,24 +7,72 @@ copy it is almost sure of. A policy that picks k from the acceptance of past rou
 then never drafts the copy, or drafts every guess. Here the drafter is asked for up to ``max_k``
 and the loop verifies the prefix of the best expected rate:
 
-    n* = argmax_n (1 + sum_{i<=n} P_i) / t_verify(n),   n = 0 (plain) unless it wins by ``margin``
+    n* = argmax_n (1 + sum_{i<=n} P_i) / t(n),   n = 0 (plain) unless it wins by ``margin``
 
-with P_i the drafter's estimate that drafts 1..i are all accepted and t_verify the round's cost
-for n drafts (``VerifyCostModel``: the verifier's measured forward curve plus what this session's
-rounds cost beyond it, read beside the other sessions' rows in a shared pass). In a shared pass my
-drafts also lengthen the other sessions' rounds; that is counted as my cost too (goodput, as
-SmartSpec and ``AdaptiveDraftLength`` count it): t(n) = t_verify(n) + others x (t_verify(n) - t_verify(0)).
+with P_i the drafter's estimate that drafts 1..i are all accepted and t(n) the round's cost
+(``RoundCosts``). In a shared pass my drafts also lengthen the other sessions' rounds; that is
+counted as my cost too (goodput, as SmartSpec and ``AdaptiveDraftLength`` count it):
+t(n) + others x (t(n) - t(0)).
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+from specdec.costs import extend_curve
 from specdec.policy.base import DraftLengthPolicy, PolicyMemory, RoundObservation
-from specdec.policy.estimators import VerifyCostModel
+from specdec.policy.estimators import DecayedMean
 
 # This policy learns no acceptance (the drafter estimates its own); what it reports to the memory.
 NO_ACCEPTANCE = {"successes": 0.0, "trials": 0.0, "pos_successes": [], "pos_trials": []}
+
+
+class RoundCosts:
+    """What a round costs as the loop sees it: a plain round its measured mean; a round verifying
+    n drafts the verifier's forward over n + 1 tokens plus the mean of what drafted rounds cost
+    beyond their forward. Two means, not a line through per-n means: plain rounds are cheaper than
+    their forward (the verifier fed their token ahead, while the verdict travelled) and a drafted
+    round right after one dearer (it waits for that pass, then runs its own), so a line through
+    both slopes steeply and makes every long draft look unaffordable. The shape in n is the
+    verifier's own measured curve, read beside ``other_rows`` tokens of other sessions."""
+
+    def __init__(self, forward_curve: Sequence[float] | None, decay: float = 0.95) -> None:
+        self.forward_curve = [float(t) for t in forward_curve] if forward_curve else None
+        self.plain = DecayedMean(decay)
+        self.drafted_beyond = DecayedMean(decay)
+        self.other_rows = 0.0
+
+    def forward(self, n: int) -> float:
+        return extend_curve(self.forward_curve, n + self.other_rows) if self.forward_curve else 0.0
+
+    def update(self, n: int, seconds: float) -> None:
+        if n == 0:
+            self.plain.add(seconds)
+        else:
+            self.drafted_beyond.add(seconds - self.forward(n))
+
+    def costs(self, n: int) -> list[float] | None:
+        """Seconds for 0..n drafts; None before a plain round was seen and without a curve."""
+        if self.plain.value is None and not self.forward_curve:
+            return None
+        plain = self.plain.value if self.plain.value is not None else self.forward(0)
+        beyond = self.drafted_beyond.value
+        if beyond is None:  # no drafted round yet: as much beyond the forward as a plain round
+            beyond = plain - self.forward(0)
+        return [plain] + [self.forward(k) + beyond for k in range(1, n + 1)]
+
+    def state(self) -> dict:
+        means, weights = {}, {}
+        for k, mean in ((0, self.plain), (1, self.drafted_beyond)):
+            if mean.value is not None:
+                means[k], weights[k] = mean.value, mean.weight
+        return {"means": means, "weights": weights}
+
+    def load(self, state: dict, max_weight: float) -> None:
+        for k, mean in ((0, self.plain), (1, self.drafted_beyond)):
+            if k in state.get("means", {}):
+                mean.value = float(state["means"][k])
+                mean.weight = min(float(state["weights"][k]), max_weight)
 
 
 class ConfidenceDraftLength(DraftLengthPolicy):
@@ -40,22 +88,21 @@ class ConfidenceDraftLength(DraftLengthPolicy):
         self.key = key
         self.margin = margin
         self.cost_decay = cost_decay
-        self.verify = VerifyCostModel(decay=cost_decay, forward_curve=forward_curve)
+        self.round_costs = RoundCosts(forward_curve, cost_decay)
         self.co_batched = max(0.0, float(co_batched))  # other sessions in this session's passes, recent mean
-        self.other_rows = self.co_batched  # ... and their tokens
-        self.verify.set_other_rows(self.other_rows)
-        # What earlier sessions of this key paid per draft count (a drafted round after a plain one
-        # also waits for the verifier's verify-ahead pass): from the first round, not after a few.
+        self.round_costs.other_rows = self.co_batched  # ... and their tokens
+        # What earlier sessions of this key paid (a drafted round after a plain one also waits for
+        # the verifier's verify-ahead pass): from the first round, not after a few.
         entry = memory.get(key) if memory is not None and key is not None else None
         if entry is not None:
-            self.verify.load(entry.verify, warm_cost_weight)
+            self.round_costs.load(entry.verify, warm_cost_weight)
         self._closed = False
 
     def close(self) -> None:
         if self._closed or self.memory is None or self.key is None:
             return
         self._closed = True
-        self.memory.report(self.key, NO_ACCEPTANCE, self.verify.state(), {})
+        self.memory.report(self.key, NO_ACCEPTANCE, self.round_costs.state(), {})
 
     def choose(self, max_k: int) -> int:
         return max(0, min(self.max_k, max_k))
@@ -63,18 +110,10 @@ class ConfidenceDraftLength(DraftLengthPolicy):
     def expects_to_draft(self) -> bool:
         return self.max_k > 0
 
-    def costs(self, n: int) -> list[float] | None:
-        """Estimated round seconds for 0..n drafts: learned, else the forward curve alone; None
-        without either (the first round of a verifier that measured no curve)."""
-        curve = self.verify.curve(n)
-        if curve is None and self.verify.forward_curve:
-            curve = [self.verify.forward(k) for k in range(n + 1)]
-        return curve
-
     def prefix_length(self, acceptance_estimates: Sequence[float]) -> int:
         """How many of the proposed drafts to verify."""
         n = len(acceptance_estimates)
-        costs = self.costs(n)
+        costs = self.round_costs.costs(n)
         if costs is None:
             return n
         best, best_rate = 0, (1.0 + self.margin) / max(costs[0], 1e-9)
@@ -88,11 +127,10 @@ class ConfidenceDraftLength(DraftLengthPolicy):
 
     def observe(self, outcome: RoundObservation) -> None:
         k = max(0, int(outcome.num_drafts))
-        others = None
         if outcome.batch_size > 0:
-            self.co_batched = self.cost_decay * self.co_batched + (1.0 - self.cost_decay) * float(outcome.batch_size - 1)
+            decay = self.cost_decay
+            self.co_batched = decay * self.co_batched + (1.0 - decay) * float(outcome.batch_size - 1)
             others = max(0.0, float(outcome.batch_tokens - (k + 1))) if outcome.batch_tokens > 0 else float(outcome.batch_size - 1)
-        self.verify.update(k, float(outcome.verify_s), others)
-        if others is not None:
-            self.other_rows = self.cost_decay * self.other_rows + (1.0 - self.cost_decay) * others
-            self.verify.set_other_rows(self.other_rows)
+            self.round_costs.other_rows = decay * self.round_costs.other_rows + (1.0 - decay) * others
+        if not outcome.beside_probe:
+            self.round_costs.update(k, float(outcome.verify_s))
