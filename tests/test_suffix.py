@@ -255,3 +255,17 @@ def test_candidates_trimmed_to_nothing_still_teach_the_calibration():
         session.extend(text[position:position + 1])
     assert session.tracker.copying
     assert calibration.rate(40, copying=True) > 0.9 and calibration.rate(40, copying=False) > low
+
+
+def test_a_session_whose_drafts_fail_trusts_the_estimates_less():
+    from specdec.policy.base import RoundObservation
+    from specdec.policy.confidence import ConfidenceDraftLength
+
+    curve = [0.010 + 0.004 * k for k in range(17)]
+    policy = ConfidenceDraftLength(max_k=16, forward_curve=curve, margin=0.0)
+    sure = [0.95] * 8
+    assert policy.prefix_length(sure) == 8
+    for _ in range(10):  # the estimates said 7.6 of 8; the target took 1
+        n = policy.prefix_length(sure)
+        policy.observe(RoundObservation(num_drafts=n, num_accepted=min(n, 1), draft_s=0.0, verify_s=curve[n]))
+    assert policy.trust < 0.3 and policy.prefix_length(sure) < 8

@@ -9,8 +9,10 @@ and the loop verifies the prefix of the best expected rate:
 
     n* = argmax_n (1 + sum_{i<=n} P_i) / t(n),   n = 0 (plain) unless it wins by ``margin``
 
-with P_i the drafter's estimate that drafts 1..i are all accepted and t(n) the round's cost
-(``RoundCosts``). In a shared pass my drafts also lengthen the other sessions' rounds; that is
+with P_i the drafter's estimate that drafts 1..i are all accepted, scaled by how this session's
+verified drafts fared against their estimates (``trust``: a drafter's estimates are learned over
+all sessions, and one request may follow its cached text less than most), and t(n) the round's
+cost (``RoundCosts``). In a shared pass my drafts also lengthen the other sessions' rounds; that is
 counted as my cost too (goodput, as SmartSpec and ``AdaptiveDraftLength`` count it):
 t(n) + others x (t(n) - t(0)).
 """
@@ -28,7 +30,7 @@ NO_ACCEPTANCE = {"successes": 0.0, "trials": 0.0, "pos_successes": [], "pos_tria
 
 
 class RoundCosts:
-    """What a round costs as the loop sees it: a plain round its measured mean; a round verifying
+    """What a round costs as the loop sees it (drafting and verifying): a plain round its measured mean; a round verifying
     n drafts the verifier's forward over n + 1 tokens plus the mean of what drafted rounds cost
     beyond their forward. Two means, not a line through per-n means: plain rounds are cheaper than
     their forward (the verifier fed their token ahead, while the verdict travelled) and a drafted
@@ -96,6 +98,10 @@ class ConfidenceDraftLength(DraftLengthPolicy):
         entry = memory.get(key) if memory is not None and key is not None else None
         if entry is not None:
             self.round_costs.load(entry.verify, warm_cost_weight)
+        # This session's verified drafts: accepted, and the estimates said (decayed sums, one of each as a prior).
+        self.accepted_sum = 1.0
+        self.expected_sum = 1.0
+        self._expected_last = 0.0  # what the estimates of the prefix just chosen expect accepted
         self._closed = False
 
     def close(self) -> None:
@@ -110,19 +116,26 @@ class ConfidenceDraftLength(DraftLengthPolicy):
     def expects_to_draft(self) -> bool:
         return self.max_k > 0
 
+    @property
+    def trust(self) -> float:
+        """Accepted over expected, this session's verified drafts (at most 1)."""
+        return min(1.0, self.accepted_sum / self.expected_sum)
+
     def prefix_length(self, acceptance_estimates: Sequence[float]) -> int:
         """How many of the proposed drafts to verify."""
         n = len(acceptance_estimates)
         costs = self.round_costs.costs(n)
-        if costs is None:
-            return n
-        best, best_rate = 0, (1.0 + self.margin) / max(costs[0], 1e-9)
-        expected = 1.0
-        for i, p in enumerate(acceptance_estimates, start=1):
-            expected += p
-            rate = expected / max(costs[i] + self.co_batched * (costs[i] - costs[0]), 1e-9)
-            if rate > best_rate:
-                best, best_rate = i, rate
+        estimates = [self.trust * p for p in acceptance_estimates]
+        best = n
+        if costs is not None:
+            best, best_rate = 0, (1.0 + self.margin) / max(costs[0], 1e-9)
+            expected = 1.0
+            for i, p in enumerate(estimates, start=1):
+                expected += p
+                rate = expected / max(costs[i] + self.co_batched * (costs[i] - costs[0]), 1e-9)
+                if rate > best_rate:
+                    best, best_rate = i, rate
+        self._expected_last = sum(estimates[:best])
         return best
 
     def observe(self, outcome: RoundObservation) -> None:
@@ -133,4 +146,11 @@ class ConfidenceDraftLength(DraftLengthPolicy):
             others = max(0.0, float(outcome.batch_tokens - (k + 1))) if outcome.batch_tokens > 0 else float(outcome.batch_size - 1)
             self.round_costs.other_rows = decay * self.round_costs.other_rows + (1.0 - decay) * others
         if not outcome.beside_probe:
-            self.round_costs.update(k, float(outcome.verify_s))
+            # The whole round: with a drafter service every round waits for its answer, one it trims
+            # to nothing too (while the verifier's verify-ahead pass runs, so its verify wait is short).
+            self.round_costs.update(k, float(outcome.draft_s + outcome.verify_s))
+        if k > 0:
+            keep = self.cost_decay
+            self.accepted_sum = keep * self.accepted_sum + min(int(outcome.num_accepted), k)
+            self.expected_sum = keep * self.expected_sum + self._expected_last
+        self._expected_last = 0.0
