@@ -108,3 +108,22 @@ def test_auto_restricted_to_suffix_drafts_with_it(suffix_stack):
     with GatewayClient(suffix_stack.gateway.address, timeout=60, api_key=KEY_A) as client:
         result = client.generate(prompt="numbers 0 1 2 3", max_new_tokens=8, method="auto", auto_methods=["suffix"])
     assert result.stats["draft_method"] == "suffix"
+
+
+def test_sampled_suffix_drafts_through_the_services_follow_the_target(suffix_stack, tiny_target):
+    """Seeded sampling through the services, each request drafted from what the earlier ones sampled
+    (one cache scope): the first three tokens follow the target's own joint distribution."""
+    from specdec.wire_types import SamplingParams
+    from tests.test_distribution import assert_first_three_follow_target
+
+    prompt = tiny_target.tokenizer("the quick brown fox jumps")["input_ids"]
+    outcomes, accepted = [], 0
+    with GatewayClient(suffix_stack.gateway.address, timeout=60, api_key=KEY_A) as client:
+        for seed in range(300):
+            result = client.generate(prompt_token_ids=prompt, max_new_tokens=4, temperature=0.9, top_k=3, seed=seed,
+                                     ignore_eos=True, method="suffix", num_draft_tokens=2, cache_scope="sampled")
+            outcomes.append(tuple(result.token_ids[:3]))
+            accepted += result.stats["accepted_tokens"]
+    assert accepted > 75, accepted  # the drafts really came from the earlier samples and were taken
+    params = SamplingParams(max_new_tokens=4, temperature=0.9, top_k=3, seed=0, ignore_eos=True)
+    assert_first_three_follow_target(tiny_target, prompt, params, outcomes)
