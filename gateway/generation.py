@@ -315,10 +315,14 @@ class GatewayCore:
     def _method_key(self, method: str, draft_model: str, target_model: str):
         return AcceptanceMemory.make_key(method, draft_model, target_model)
 
-    def _auto_method(self, allowed: Sequence[str], target_model: str) -> str:
+    def _auto_method(self, allowed: Sequence[str], target_model: str, draft_ahead_asked: bool = False) -> str:
         """What ``auto`` drafts with for a request (``allowed``: its auto_methods, () = any):
-        among the methods this stack has, the one its finished requests measured fastest."""
+        among the methods this stack has, the one its finished requests measured fastest. A request
+        that asked for draft-ahead gets a drafter service's method when one is ready (only those
+        draft ahead; suffix lookup here takes microseconds, with nothing to hide)."""
         allowed = allowed or DRAFTING_METHODS
+        if draft_ahead_asked and any(self.drafters.ready(m) for m in REMOTE_ONLY_METHODS if m in allowed):
+            allowed = [m for m in allowed if m in REMOTE_ONLY_METHODS]
         candidates = []
         for method in AUTO_DRAFT_METHODS:
             if method not in allowed:
@@ -359,7 +363,7 @@ class GatewayCore:
         verifier_replica = await self._pick_verifier(time_remaining)
         target_model = verifier_replica.info.model.model
         if method == "auto":
-            method = self._auto_method(request.auto_methods, target_model)
+            method = self._auto_method(request.auto_methods, target_model, request.draft_ahead is True)
         self._admit()  # again: others may have been admitted meanwhile (no await from here to active += 1)
         request_id = request.request_id or new_request_id()
         # Downstream session ids are ours, unguessable, never the client's request_id (which another
@@ -367,7 +371,7 @@ class GatewayCore:
         verifier_session, drafter_session = uuid.uuid4().hex, uuid.uuid4().hex
         obs.begin(request_id=request_id, params=params, prompt_tokens=len(prompt_ids), method=method, requested_k=k)
         metadata = obs.metadata()  # W3C trace context for both downstream streams (None: tracing off)
-        verifier, policy, drafter_replica, remote_drafter = None, None, None, None
+        verifier, policy, drafter_replica, remote_drafter, chooser_key = None, None, None, None, None
         self.active += 1
         try:
             self.metrics.active_sessions.set(self.active)
@@ -387,6 +391,7 @@ class GatewayCore:
                                          wait_s=lambda: self.verifier_wait_s(time_remaining))
             drafter_link = None
             draft_model = drafter_replica.info.model.model if drafter_replica is not None else ""
+            chooser_key = self._method_key(method, draft_model, target_model)
             policy = make_policy(k, memory=self.acceptance_memory, max_k=self.limits.max_draft_tokens,
                                  key=AcceptanceMemory.make_key(method, draft_model, verifier_replica.info.model.model),
                                  forward_curve=list(verifier_replica.info.forward_cost_s) or None,
@@ -442,8 +447,7 @@ class GatewayCore:
                     if not isinstance(drafter_link, LocalDrafter) or method != "suffix":
                         self.suffix_drafter.remember(cache_scope_key(request.tenant, request.cache_scope),
                                                      prompt_ids, event.token_ids)
-                    self.method_chooser.report(self._method_key(method, draft_model, target_model),
-                                               stats.emitted_in_rounds, stats.verify_s + stats.draft_s)
+                    self.method_chooser.report(chooser_key, stats.emitted_in_rounds, stats.verify_s + stats.draft_s)
                     self.metrics.draft_tokens.inc(event.stats.draft_tokens)
                     self.metrics.accepted_tokens.inc(event.stats.accepted_tokens)
                     yield Finished(request_id, prompt_ids, event)
@@ -455,6 +459,8 @@ class GatewayCore:
             # and every count raised above (each only if it was raised).
             self.active -= 1
             self.metrics.active_sessions.set(self.active)
+            if chooser_key is not None:
+                self.method_chooser.release(chooser_key)
             closers = []
             if policy is not None:
                 if log.isEnabledFor(logging.DEBUG) and hasattr(policy, "estimates"):

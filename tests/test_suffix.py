@@ -190,6 +190,11 @@ def test_method_chooser_tries_each_then_takes_the_fastest_and_explores():
     assert chooser.rates()["s"] < 50
     assert [chooser.choose(candidates) for _ in range(3)].count("model") >= 2
     assert chooser.choose([]) is None
+    # A request that ends without a report (cancelled) frees its unmeasured method for the next one.
+    fresh = MethodChooser()
+    assert fresh.choose([("eagle", "e"), ("suffix", "s")]) == "eagle"
+    fresh.release("e")
+    assert fresh.choose([("eagle", "e"), ("suffix", "s")]) == "eagle"
 
 
 def test_confidence_policy_verifies_the_prefix_of_the_best_expected_rate():

@@ -76,6 +76,12 @@ class MethodChooser:
             measure.rate = (self.keep * measure.weight * measure.rate + rate) / weight
             measure.weight = weight
 
+    def release(self, key: Hashable) -> None:
+        """A request of ``key`` ended without a report (an error, a cancel): an unmeasured method it
+        was measuring may be tried again."""
+        with self._lock:
+            self.trying.discard(key)
+
     def rates(self) -> dict[Hashable, float]:
         with self._lock:
             return {key: m.rate for key, m in self.measures.items()}
