@@ -312,9 +312,6 @@ class GatewayCore:
         return replica
 
     # -- the draft method of "auto" ------------------------------------------------------------------
-    def _method_key(self, method: str, draft_model: str, target_model: str):
-        return AcceptanceMemory.make_key(method, draft_model, target_model)
-
     def _auto_method(self, allowed: Sequence[str], target_model: str, draft_ahead_asked: bool = False) -> str:
         """What ``auto`` drafts with for a request (``allowed``: its auto_methods, () = any):
         among the methods this stack has, the one its finished requests measured fastest. A request
@@ -331,7 +328,7 @@ class GatewayCore:
             if method in REMOTE_ONLY_METHODS and not replicas:
                 continue
             draft_model = replicas[0].info.model.model if replicas else ""
-            candidates.append((method, self._method_key(method, draft_model, target_model)))
+            candidates.append((method, AcceptanceMemory.make_key(method, draft_model, target_model)))
         chosen = self.method_chooser.choose(candidates)
         if chosen is not None:
             return chosen
@@ -371,7 +368,8 @@ class GatewayCore:
         verifier_session, drafter_session = uuid.uuid4().hex, uuid.uuid4().hex
         obs.begin(request_id=request_id, params=params, prompt_tokens=len(prompt_ids), method=method, requested_k=k)
         metadata = obs.metadata()  # W3C trace context for both downstream streams (None: tracing off)
-        verifier, policy, drafter_replica, remote_drafter, chooser_key = None, None, None, None, None
+        verifier, policy, drafter_replica, remote_drafter, method_key = None, None, None, None, None
+        scope = cache_scope_key(request.tenant, request.cache_scope)  # of the suffix cache
         self.active += 1
         try:
             self.metrics.active_sessions.set(self.active)
@@ -391,9 +389,8 @@ class GatewayCore:
                                          wait_s=lambda: self.verifier_wait_s(time_remaining))
             drafter_link = None
             draft_model = drafter_replica.info.model.model if drafter_replica is not None else ""
-            chooser_key = self._method_key(method, draft_model, target_model)
-            policy = make_policy(k, memory=self.acceptance_memory, max_k=self.limits.max_draft_tokens,
-                                 key=AcceptanceMemory.make_key(method, draft_model, verifier_replica.info.model.model),
+            method_key = AcceptanceMemory.make_key(method, draft_model, target_model)
+            policy = make_policy(k, memory=self.acceptance_memory, max_k=self.limits.max_draft_tokens, key=method_key,
                                  forward_curve=list(verifier_replica.info.forward_cost_s) or None,
                                  co_batched=max(0, verifier_replica.load - 1),  # its other sessions, this one opened
                                  drafter_estimates=method == "suffix")
@@ -404,7 +401,7 @@ class GatewayCore:
                                                request_id=request_id, reads_features=feature_size > 0,
                                                max_message_bytes=self.drafters.max_message_bytes,
                                                vocab_size=self.vocab_size,
-                                               cache_scope=cache_scope_key(request.tenant, request.cache_scope))
+                                               cache_scope=scope)
                 if policy.expects_to_draft():
                     # The drafter's prefill overlaps the verifier's. When plain decoding is expected to
                     # win (what this draft pair measured before), the session opens at the first
@@ -415,8 +412,7 @@ class GatewayCore:
             elif method == "ngram":
                 drafter_link = LocalDrafter(NgramDrafter().start(prompt_ids, params))
             elif method == "suffix":
-                drafter_link = LocalDrafter(self.suffix_drafter.start_in_scope(
-                    prompt_ids, params, cache_scope_key(request.tenant, request.cache_scope)))
+                drafter_link = LocalDrafter(self.suffix_drafter.start_in_scope(prompt_ids, params, scope))
             obs.links(verifier, drafter_link, verifier_replica.address,
                       drafter_replica.address if drafter_replica is not None else None,
                       (drafter_replica.info.model.model or None) if drafter_replica is not None else None)
@@ -444,12 +440,11 @@ class GatewayCore:
                 if isinstance(event, GenerationResult):
                     obs.finish(event)
                     stats = event.stats
-                    if not isinstance(drafter_link, LocalDrafter) or method != "suffix":
-                        self.suffix_drafter.remember(cache_scope_key(request.tenant, request.cache_scope),
-                                                     prompt_ids, event.token_ids)
-                    self.method_chooser.report(chooser_key, stats.emitted_in_rounds, stats.verify_s + stats.draft_s)
-                    self.metrics.draft_tokens.inc(event.stats.draft_tokens)
-                    self.metrics.accepted_tokens.inc(event.stats.accepted_tokens)
+                    if not (method == "suffix" and remote_drafter is None):  # this cache has those as they came
+                        self.suffix_drafter.remember(scope, prompt_ids, event.token_ids)
+                    self.method_chooser.report(method_key, stats.emitted_in_rounds, stats.verify_s + stats.draft_s)
+                    self.metrics.draft_tokens.inc(stats.draft_tokens)
+                    self.metrics.accepted_tokens.inc(stats.accepted_tokens)
                     yield Finished(request_id, prompt_ids, event)
                 else:
                     self.metrics.tokens.inc(len(event.token_ids))
@@ -459,8 +454,8 @@ class GatewayCore:
             # and every count raised above (each only if it was raised).
             self.active -= 1
             self.metrics.active_sessions.set(self.active)
-            if chooser_key is not None:
-                self.method_chooser.release(chooser_key)
+            if method_key is not None:
+                self.method_chooser.release(method_key)
             closers = []
             if policy is not None:
                 if log.isEnabledFor(logging.DEBUG) and hasattr(policy, "estimates"):

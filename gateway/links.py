@@ -125,7 +125,7 @@ def _proposal(message, max_tokens: int, vocab_size: int | None) -> DraftProposal
     bad = None if vocab_size is None else next((t for t in proposal.draft_tokens if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise StreamLost(f"drafter proposed id {bad}, outside the vocabulary (size {vocab_size})")
-    estimates = list(getattr(message, "acceptance_estimates", ()))
+    estimates = list(message.acceptance_estimates)
     if estimates:
         if len(estimates) != len(proposal) or not all(0.0 <= e <= 1.0 for e in estimates):
             raise StreamLost("drafter sent acceptance estimates that are not one probability per draft")

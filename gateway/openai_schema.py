@@ -202,7 +202,7 @@ ERROR_MESSAGES = {
     ("role", "missing"): "required: a string",
     ("role", "string_type"): "required: a string",
     ("prompt", "missing"): "required: a string or an array of token ids",
-    ("speculation", "model_type"): "must be an object {method, num_draft_tokens, draft_ahead}",
+    ("speculation", "model_type"): "must be an object {" + ", ".join(SPECULATION_FIELDS) + "}",
     ("max_tokens", "greater_than_equal"): "must be >= 1",
     ("max_completion_tokens", "greater_than_equal"): "must be >= 1",
     ("seed", "greater_than_equal"): "must fit in 64 bits",

@@ -46,7 +46,7 @@ class LocalEngine:
             curve = self.forward_curve() if num_draft_tokens == 0 and self.drafter is not None else None
             policy = make_policy(num_draft_tokens, memory=self.memory, key=self.memory_key,
                                  max_k=self.max_draft_tokens, forward_curve=curve,
-                                 drafter_estimates=getattr(self.drafter, "estimates_acceptance", False))
+                                 drafter_estimates=self.drafter is not None and self.drafter.estimates_acceptance)
         wants_features = self.drafter is not None and self.drafter.feature_size > 0
         target_session = TargetSession(self.target, prompt_ids, params, want_features=wants_features)
         draft_session = self.drafter.start(prompt_ids, params) if self.drafter else None

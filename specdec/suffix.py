@@ -153,6 +153,14 @@ class SuffixIndex:
                 break
         return SuffixMatch(best, best_occurrences)
 
+    def draft(self, context: Sequence[int], config: SuffixConfig, max_tokens: int,
+              exclude: int | None = None) -> SuffixDraft:
+        """The candidate continuing the longest match of ``context`` here (``NO_DRAFT`` if none)."""
+        match = self.longest_match(context, config.max_depth, config.max_candidates, exclude)
+        if not match.length:
+            return NO_DRAFT
+        return continue_match(match, draft_limit(config, match.length, max_tokens), config.min_token_prob)
+
 
 def continue_match(match: SuffixMatch, max_tokens: int, min_token_prob: float) -> SuffixDraft:
     """Follow the most frequent continuation of ``match``'s occurrences (ties: the most recent),
@@ -256,10 +264,7 @@ class SuffixCache:
             index = self.scopes.get(scope)
             if index is None:
                 return NO_DRAFT
-            match = index.longest_match(context, config.max_depth, config.max_candidates, exclude)
-            if not match.length:
-                return NO_DRAFT
-            candidate = continue_match(match, draft_limit(config, match.length, max_tokens), config.min_token_prob)
+            candidate = index.draft(context, config, max_tokens, exclude)
             if candidate.serial is not None and candidate.serial in self.recency:
                 self.recency.move_to_end(candidate.serial)
             return candidate
@@ -406,11 +411,7 @@ class SuffixDraftSession(DraftSession):
         if num_draft_tokens <= 0:
             return DraftProposal()
         config, context = self.config, self.tokens
-        match = self.own.longest_match(context, config.max_depth, config.max_candidates)
-        best = NO_DRAFT
-        if match.length:
-            best = continue_match(match, draft_limit(config, match.length, num_draft_tokens), config.min_token_prob)
-            best = SuffixDraft(best.tokens, best.cumulative_probs, best.match_length, None)
+        best = self.own.draft(context, config, num_draft_tokens)
         if self.cache is not None:
             shared = self.cache.draft(self.scope, context, num_draft_tokens, self.serial)
             if shared.score > best.score:
@@ -423,7 +424,7 @@ class SuffixDraftSession(DraftSession):
 
 class SuffixDrafter(Drafter):
     """Suffix drafting over the request's own text and, with ``config.max_cached_tokens`` > 0, a
-    cache of earlier outputs shared by the requests of one scope (``start(..., scope=)``)."""
+    cache of earlier outputs shared by the requests of one scope (``start_in_scope``)."""
 
     name = "suffix"
     estimates_acceptance = True

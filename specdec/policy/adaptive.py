@@ -335,7 +335,7 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         if outcome.batch_size > 0:
             decay = self.config.cost_decay
             self.co_batched = decay * self.co_batched + (1.0 - decay) * float(outcome.batch_size - 1)
-            others = max(0.0, float(outcome.batch_tokens - (k + 1)) if outcome.batch_tokens > 0 else self.co_batched)
+            others = outcome.other_tokens(self.co_batched)
         if not (outcome.beside_probe and k == 0):  # a plain round slowed by the drafter's probe is the probe's cost
             self.verify.update(k, float(outcome.verify_s), others)
         if others is not None:

@@ -44,6 +44,13 @@ class RoundObservation:
     batch_tokens: int = 0  # tokens that pass fed, every session's (0: not reported)
     beside_probe: bool = False  # verified while the drafter worked on a shadow probe (its cost, not a plain round's)
 
+    def other_tokens(self, fallback: float) -> float:
+        """The other sessions' tokens in this round's pass: what it fed beyond this round's drafts
+        and their one extra token, or ``fallback`` where the verifier did not report its tokens."""
+        if self.batch_tokens > 0:
+            return max(0.0, float(self.batch_tokens - (max(0, self.num_drafts) + 1)))
+        return max(0.0, float(fallback))
+
 
 class DraftLengthPolicy(ABC):
     name = "policy"

@@ -143,7 +143,7 @@ class ConfidenceDraftLength(DraftLengthPolicy):
         if outcome.batch_size > 0:
             decay = self.cost_decay
             self.co_batched = decay * self.co_batched + (1.0 - decay) * float(outcome.batch_size - 1)
-            others = max(0.0, float(outcome.batch_tokens - (k + 1))) if outcome.batch_tokens > 0 else float(outcome.batch_size - 1)
+            others = outcome.other_tokens(outcome.batch_size - 1)
             self.round_costs.other_rows = decay * self.round_costs.other_rows + (1.0 - decay) * others
         if not outcome.beside_probe:
             # The whole round: with a drafter service every round waits for its answer, one it trims
