@@ -77,6 +77,7 @@ class LinkOptions:
 
     draft_ahead: bool = False  # default for requests that leave speculation.draft_ahead unspecified
     net_delay_s: float = 0.0  # injected one-way delay per message (benchmarks of cross-machine links)
+    plain_runs: bool = True  # the verifier decodes runs of plain rounds without a block each (--no-plain-runs)
 
 
 @dataclass
@@ -433,6 +434,7 @@ class GatewayCore:
                 draft_method=method,
                 max_context=self.max_positions,
                 on_round=obs.on_round,
+                plain_runs=self.link_options.plain_runs,
                 draft_ahead=(remote_drafter is not None and draft_ahead
                              and drafter_replica.info is not None and drafter_replica.info.supports_draft_ahead),
             )

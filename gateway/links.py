@@ -147,13 +147,19 @@ class RemoteVerifier:
         self.round = 0
         self.prefill_service_s = 0.0  # time inside the verifier, from its service_time_us (tracing)
         self.service_s = 0.0
+        self.run_left = 0  # verdicts of a plain run the verifier still owes (it reads no block until then)
 
-    async def _verdict(self) -> tuple[Verdict, float]:
+    async def _verdict(self, max_run: int = 0) -> tuple[Verdict, float]:
         response = await _read(self.call, "verifier", self.net_delay_s)
+        if response.plain_steps_left > max_run:
+            raise StreamLost(f"verifier announced {response.plain_steps_left} plain-run verdicts where at most "
+                             f"{max_run} were asked for")
         try:
-            return convert.verdict_from_pb(response), response.service_time_us * 1e-6
+            verdict = convert.verdict_from_pb(response)
         except (ValueError, TypeError, AttributeError) as exc:
             raise StreamLost(f"verifier sent a malformed verdict ({describe(exc)})") from exc
+        self.run_left = response.plain_steps_left
+        return verdict, response.service_time_us * 1e-6
 
     async def prefill(self) -> Verdict:
         start = verifier_pb2.VerifyStart(
@@ -166,15 +172,26 @@ class RemoteVerifier:
         verdict, self.prefill_service_s = await self._verdict()
         return verdict
 
-    async def verify(self, proposal: DraftProposal) -> Verdict:
+    async def verify(self, proposal: DraftProposal, plain_steps: int = 0) -> Verdict:
+        """This round's verdict. ``plain_steps``: the caller's promise that the next that many rounds
+        are plain (empty proposals): the block asks for a plain run, and those rounds' verdicts come
+        without a block each (``VerifyBlock.plain_steps``). During a run ``plain_steps`` is ignored."""
         self.round += 1
-        block = verifier_pb2.VerifyBlock(round=self.round, **convert.proposal_fields(proposal))
-        await _write(self.call, verifier_pb2.VerifyRequest(block=block), self.net_delay_s)
-        verdict, service_s = await self._verdict()
+        if self.run_left > 0:
+            if len(proposal):
+                raise RuntimeError("drafts to verify during a plain run (the caller promised plain rounds)")
+            verdict, service_s = await self._verdict(self.run_left - 1)
+        else:
+            block = verifier_pb2.VerifyBlock(round=self.round, plain_steps=plain_steps,
+                                             **convert.proposal_fields(proposal))
+            await _write(self.call, verifier_pb2.VerifyRequest(block=block), self.net_delay_s)
+            verdict, service_s = await self._verdict(plain_steps)
         self.service_s += service_s
         return verdict
 
     async def close(self) -> None:
+        if self.run_left > 0:  # the verifier reads the half-close only after its run: stop it now
+            self.call.cancel()
         await _close(self.call)
 
 

@@ -80,6 +80,7 @@ class MigratingVerifier:
         self.link = self._open(replica, self.committed)
         self.replica = replica
         self.q_refused: str | None = None  # the field a verifier refused in this request's drafter's q
+        self.run_left = 0  # plain rounds the engine has promised after the current one
 
     def _open(self, replica, prompt_ids: list[int]) -> RemoteVerifier:
         link = RemoteVerifier(replica.stub, self.session_id, list(prompt_ids), self.params,
@@ -158,11 +159,18 @@ class MigratingVerifier:
         self.committed.extend(verdict.tokens)
         return verdict
 
-    async def verify(self, proposal: DraftProposal) -> Verdict:
+    async def verify(self, proposal: DraftProposal, plain_steps: int = 0) -> Verdict:
+        """One round (``RemoteVerifier.verify``); a plain run survives a move, the new replica's
+        session asked for the rest of it."""
         if self.q_refused is not None and proposal.draft_probs is not None:
             proposal = DraftProposal()  # this drafter's q was refused once: verify without its drafts
+        if plain_steps:
+            self.run_left = plain_steps
+        elif self.run_left > 0:
+            self.run_left -= 1
+            plain_steps = self.run_left  # a link that is not in the run (a new replica's) asks for its rest
         link = self.link
-        verdict = await self._guarded(lambda: link.verify(proposal))
+        verdict = await self._guarded(lambda: link.verify(proposal, plain_steps))
         if self.link is not link:  # migrated mid-round: the drafts in flight count as rejected
             verdict = Verdict(len(proposal), 0, verdict.tokens, verdict.committed_length, features=verdict.features)
         self.committed.extend(verdict.tokens)

@@ -93,10 +93,7 @@ class CompletionBuilder:
     def __init__(self, tokenizer, params: SamplingParams, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.params = params
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids.update(eos_token_ids)
-        self.stop_token_ids = frozenset(stop_ids)
+        self.stop_token_ids = params.stop_ids(eos_token_ids)
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self._decoder = IncrementalDecoder(tokenizer)

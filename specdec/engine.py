@@ -26,7 +26,10 @@ if TYPE_CHECKING:  # the in-process links' sessions; the loop itself runs withou
 class VerifierLink(Protocol):
     async def prefill(self) -> Verdict: ...
 
-    async def verify(self, proposal: DraftProposal) -> Verdict: ...
+    async def verify(self, proposal: DraftProposal, plain_steps: int = 0) -> Verdict:
+        """This round's verdict. ``plain_steps`` > 0 promises that many plain rounds (empty
+        proposals) after this one: a remote verifier then decodes them without a block each."""
+        ...
 
 
 class DrafterLink(Protocol):
@@ -94,6 +97,8 @@ class GenerationStats:
     verify_pass_s: float = 0.0  # ... of which in the batched passes that served the rounds
     feature_bytes: int = 0  # target features streamed verifier -> gateway -> drafter (prefill included)
     drafter_closes: int = 0  # drafter sessions closed once the policy settled on plain decoding
+    plain_runs: int = 0  # plain runs asked of the verifier (rounds it decoded without a block each)
+    plain_run_rounds: int = 0  # ... and the rounds they promised
     # Per number of drafts verified: [rounds, verify_s, steady rounds, their draft_s]. "Steady": the
     # drafter had only the previous verdict's tokens to feed (not a catch-up after k = 0 rounds or at
     # the start), so its draft_s is what drafting k tokens costs round after round.
@@ -184,6 +189,8 @@ class GenerationStats:
             "feature_bytes": self.feature_bytes,
             "feature_bytes_per_round": self.feature_bytes_per_round,
             "drafter_closes": self.drafter_closes,
+            "plain_runs": self.plain_runs,
+            "plain_run_rounds": self.plain_run_rounds,
             "round_costs": [{"num_drafts": k, "rounds": c[0], "verify_s": c[1], "steady_rounds": c[2],
                              "steady_draft_s": c[3]} for k, c in sorted(self.round_costs.items())],
         }
@@ -275,6 +282,7 @@ async def generate(
     on_round: Callable[[RoundRecord], None] | None = None,
     draft_ahead: bool = False,
     shadow_probes: bool = True,
+    plain_runs: bool = True,
 ) -> AsyncIterator[Chunk | GenerationResult]:
     """Run one generation; yields ``Chunk``s as tokens commit, then one ``GenerationResult``.
 
@@ -285,6 +293,8 @@ async def generate(
     ``shadow_probes`` (greedy requests without draft-ahead): a probe the policy asks for is drafted
     beside a plain round and scored against the tokens the target commits (``ShadowProbe``), so
     measuring acceptance while drafting does not pay never makes the session wait for the drafter.
+    ``plain_runs``: plain rounds the policy (or the absence of a drafter) commits to in a row go to
+    the verifier as one plain run (``VerifierLink.verify(..., plain_steps)``), each still a round here.
     """
     stats = GenerationStats(draft_method=draft_method if drafter is not None else "none")
     draft_ahead = draft_ahead and drafter is not None and hasattr(drafter, "take_ahead")
@@ -323,6 +333,7 @@ async def generate(
     committed = list(verdict.tokens)  # everything committed so far (scores shadow probes)
     shadow: ShadowProbe | None = None
     length = verdict.committed_length
+    run_left = 0  # plain rounds promised to the verifier after the current one (a plain run)
     try:
         while not completion.finished:
             remaining = completion.params.max_new_tokens - len(completion.token_ids)
@@ -333,7 +344,9 @@ async def generate(
                     yield completion.end_at_context()
                     break
                 max_k = min(max_k, max_context - length - 1)
-            k = policy.choose(max(0, max_k)) if drafter is not None else 0
+            in_run = run_left > 0  # a round of a plain run: the policy counted it when the run began
+            run_left = max(0, run_left - 1)
+            k = policy.choose(max(0, max_k)) if drafter is not None and not in_run else 0
             proposal = DraftProposal()
             t0 = time.perf_counter()
             if shadow_probes and k > 0 and policy.probing and shadow is None:
@@ -368,8 +381,16 @@ async def generate(
                 pending = []
                 if proposal.acceptance_estimates is not None and len(proposal):
                     proposal = proposal.prefix(policy.prefix_length(proposal.acceptance_estimates))
+            plain_steps = 0
+            if plain_runs and not in_run and len(proposal) == 0 and shadow is None and max_k > 0:
+                # Plain rounds that no choice can interrupt: the verifier decodes them without a block each.
+                plain_steps = max_k if drafter is None else policy.plain_run(max_k)
+                if plain_steps > 0:
+                    run_left = plain_steps
+                    stats.plain_runs += 1
+                    stats.plain_run_rounds += plain_steps
             t1 = time.perf_counter()
-            verdict = await verifier.verify(proposal)
+            verdict = await verifier.verify(proposal, plain_steps)
             t2 = time.perf_counter()
             take_features(verdict)
             chunk = completion.add(verdict.tokens)
@@ -430,8 +451,8 @@ class LocalVerifier:
     async def prefill(self) -> Verdict:
         return self.session.prefill()
 
-    async def verify(self, proposal: DraftProposal) -> Verdict:
-        return self.session.verify(proposal)
+    async def verify(self, proposal: DraftProposal, plain_steps: int = 0) -> Verdict:
+        return self.session.verify(proposal)  # in process a round costs no hop: a run is just rounds
 
 
 class LocalDrafter:

@@ -246,6 +246,9 @@ def add_role_parsers(roles) -> None:
     gateway.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=False,
                          help="drafters draft the next block while a verification is in flight "
                               "(requests may override with speculation.draft_ahead)")
+    gateway.add_argument("--no-plain-runs", action="store_true",
+                         help="ask the verifier for every plain round with a block of its own, instead of "
+                              "letting it decode a run of them (what runs save, measured)")
     gateway.add_argument("--net-delay-ms", type=float, default=0.0,
                          help="inject this one-way delay on every message to drafters and verifiers "
                               "(benchmarks of cross-machine round trips; keep 0 in production)")
@@ -405,7 +408,8 @@ def _gateway_fields(args: argparse.Namespace) -> dict:
     return dict(verifiers=tuple(args.verifier), drafters=tuple(args.drafter),
                 discover_verifiers=args.discover_verifiers, discover_drafters=args.discover_drafters,
                 namespace=args.namespace, limits=limits,
-                link=LinkOptions(draft_ahead=args.draft_ahead, net_delay_s=args.net_delay_ms / 1000),
+                link=LinkOptions(draft_ahead=args.draft_ahead, net_delay_s=args.net_delay_ms / 1000,
+                                 plain_runs=not args.no_plain_runs),
                 http_port=args.http_port or None, http_limits=http_limits_from_args(args), suffix=suffix_config(args))
 
 

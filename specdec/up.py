@@ -81,6 +81,8 @@ def add_arguments(up: argparse.ArgumentParser, default_target: str) -> None:
     up.add_argument("--max-new-tokens-cap", type=int, default=None, help="gateway: largest max_new_tokens")
     up.add_argument("--no-verify-ahead", action="store_true",
                     help="verifier: do not feed a session's pending token right after a plain round")
+    up.add_argument("--no-plain-runs", action="store_true",
+                    help="gateway: a block for every plain round (no runs the verifier decodes on its own)")
     up.add_argument("--max-prompt-tokens", type=int, default=None, help="gateway: longest prompt")
     up.add_argument("--api-keys-file", default=None, help="gateway: client API keys, one per line")
     up.add_argument("--tls-cert", default=None, help="PEM certificate every service serves (and presents)")
@@ -246,7 +248,7 @@ def children(args) -> list[ChildSpec]:
                                      "--draft-ahead" if args.draft_ahead else "--no-draft-ahead",
                                      "--net-delay-ms", str(args.net_delay_ms), *common, *metrics(0),
                                      *_flags(args, ["http-port"]),
-                                     *_flags(args, ["max-new-tokens-cap", "max-prompt-tokens", "api-keys-file"])],
+                                     *_flags(args, ["max-new-tokens-cap", "max-prompt-tokens", "api-keys-file", "no-plain-runs"])],
                   f"{peer_host}:{gateway_port}", drain_order=0, env=env, cpus=drafter_cpus),
     ]
 

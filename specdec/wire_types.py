@@ -99,6 +99,11 @@ class SamplingParams:
     def resolved_seed(self) -> int:
         return self.seed if self.seed is not None else 0
 
+    def stop_ids(self, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
+        """The token ids that end this request when committed: ``stop_token_ids``, and the model's
+        end-of-sequence ids unless ``ignore_eos``."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
+
 
 def with_random_seed(params: SamplingParams) -> SamplingParams:
     """Fix a seed for an unseeded request so that drafter and verifier share one key."""

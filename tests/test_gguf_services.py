@@ -97,6 +97,8 @@ def assert_greedy_exact(stack, target, method: str, prompts: list[str] = PROMPTS
             params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
             assert result.token_ids == in_process(target, result.prompt_token_ids, params), prompt
             assert result.stats["draft_method"] == method
+            if method == "none":  # one plain run: the verifier decoded every round after the first on its own
+                assert result.stats["plain_runs"] == 1 and result.stats["plain_run_rounds"] == NEW_TOKENS - 2
             drafted += result.stats["draft_tokens"]
             accepted += result.stats["accepted_tokens"]
     if method != "none":  # drafts were verified, and some of them rejected
@@ -121,6 +123,7 @@ def test_seeded_sampling_through_the_services_equals_in_process_gguf_decoding(st
             kwargs = dict(prompt=prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.9, top_k=20,
                           seed=seed)
             plain = client.generate(**kwargs, method="none")
+            assert plain.stats["plain_runs"] == 1
             assert plain.token_ids == in_process(target, plain.prompt_token_ids, params)
             drafted = client.generate(**kwargs, method="model", num_draft_tokens=3)
             assert drafted.token_ids == in_process(target, drafted.prompt_token_ids, params, ModelDrafter(draft), 3)

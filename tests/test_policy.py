@@ -186,6 +186,39 @@ def test_probes_after_a_while_at_zero_with_backoff():
     assert extra / (gaps[-1] * v[0]) <= p.probe_budget * 1.5
 
 
+def test_a_plain_run_is_the_rounds_choose_would_leave_plain():
+    """Two policies see the same rounds; one is asked round by round, the other takes every plain run
+    it offers (``plain_run``) and is not asked during it. Their choices agree round for round, and the
+    runs cover most plain rounds."""
+    by_round, in_runs = AdaptiveDraftLength(probe_interval=4), AdaptiveDraftLength(probe_interval=4)
+    rounds = 300
+    expected = drive(by_round, rounds, lambda k, i: 0)
+    ks: list[int] = []
+    runs: list[int] = []
+    run_left = 0
+    while len(ks) < rounds:
+        if run_left:
+            k, run_left = 0, run_left - 1
+        else:
+            k = in_runs.choose(16)
+            if k == 0:
+                run_left = in_runs.plain_run(rounds - len(ks) - 1)
+                runs += [run_left] if run_left else []
+        in_runs.observe(RoundObservation(k, 0, *costs(k)))
+        ks.append(k)
+    assert ks == expected
+    assert sum(runs) >= expected.count(0) // 2 and max(runs) >= 8, runs
+    assert in_runs.plain_run(0) == 0  # nothing left to promise
+
+
+def test_no_plain_run_while_drafting_or_before_anything_is_known():
+    p = AdaptiveDraftLength()
+    assert p.choose(16) > 0 and p.plain_run(16) == 0  # the initial k
+    drive(p, 20, lambda k, i: k)
+    assert p.choose(16) > 0 and p.plain_run(16) == 0  # drafting pays
+    assert FixedDraftLength(3).plain_run(16) == 0
+
+
 def test_notices_when_speculation_pays_again():
     p = AdaptiveDraftLength()
     drive(p, 100, lambda k, i: 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 import time
 
 from specdec import telemetry
@@ -12,7 +13,7 @@ from specdec.costs import measure_forward_curve
 from specdec.lm import model_threads
 from specdec.models import MAX_VOCAB_PADDING, LoadedModel, load_model
 from specdec.rpc import convert
-from specdec.rpc.server import NotReady, idle_guard, ServiceRuntime, map_errors, map_unary_errors
+from specdec.rpc.server import NotReady, SessionCancelled, idle_guard, ServiceRuntime, map_errors, map_unary_errors
 from specdec.rpc.sessions import ModelWorkerService, validate_session_id
 from specdec.wire_types import MAX_NEW_TOKENS_CAP, BatchInfo, DraftProposal, FieldError, with_random_seed
 from specdec.service_config import VerifierConfig
@@ -82,6 +83,8 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
         session: TargetSession | None = None
         ahead: asyncio.Task | None = None  # the pending token's pass, run while the next block is on its way
         budget = 0  # the committed length (prompt + max_new_tokens) this session never passes
+        stop_ids: frozenset[int] = frozenset()
+        solo_stop = threading.Event()  # set when the stream ends: a solo run on the model thread stops
         trace = telemetry.current().session_trace(context, SERVICE_NAME, "Verify", "verifier")  # None: off
         try:
             async for request in idle_guard(request_iterator, self.idle_timeout_s, cancelled):
@@ -100,6 +103,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                         raise FieldError("sampling.max_new_tokens", f"{params.max_new_tokens} exceeds this verifier's "
                                          f"cap ({self.max_new_tokens_cap}; --max-new-tokens-cap)")
                     budget = len(prompt) + params.max_new_tokens  # the committed length never passes it
+                    stop_ids = params.stop_ids(lm.eos_token_ids)  # where a plain run ends
                     session, key = await self.start_session(context.peer(), start.session_id, lambda: TargetSession(
                         lm, prompt, params, want_features=start.want_features, feature_window=self.feature_window(lm)),
                         cancelled)
@@ -115,23 +119,43 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                 elif kind == "block":
                     if session is None:
                         raise FieldError("block", "send start first")
-                    proposal = self._validate_block(request.block, session, lm, budget)
-                    ahead_batch = await _settle(ahead)
-                    ahead = None
-                    if session.needs_pass(proposal):
-                        verdict = await self._verify(session, proposal, len(proposal) + (0 if session.has_ahead else 1))
-                    else:  # a plain round whose pending token was fed ahead: no pass
-                        verdict = dataclasses.replace(session.commit(proposal, None), batch=ahead_batch)
-                    self.metrics.tokens.inc(len(verdict.tokens))
-                    self.metrics.draft_tokens.inc(verdict.num_drafts)
-                    self.metrics.accepted_tokens.inc(verdict.num_accepted)
-                    if trace is not None:
-                        trace.step("verify", received, round=request.block.round, drafted=verdict.num_drafts,
-                                   accepted=verdict.num_accepted, tokens=len(verdict.tokens),
-                                   **_feature_attributes(verdict), **verdict.batch.trace_attributes())
-                    ahead = self._start_ahead(session, verdict, budget, lm)
-                    yield verifier_pb2.VerifyResponse(round=request.block.round, service_time_us=_us_since(received),
-                                                      **convert.verdict_fields(verdict))
+                    block = request.block
+                    proposal = self._validate_block(block, session, lm, budget)
+                    verdict, ahead = await self._round(session, proposal, ahead, budget, lm, trace, block.round, received)
+                    steps_left = self._run_left(session, verdict, block.plain_steps, budget, lm, stop_ids)
+                    if steps_left:
+                        ahead = ahead or self._start_ahead(session, verdict, budget, lm, run=True)
+                    yield verifier_pb2.VerifyResponse(round=block.round, service_time_us=_us_since(received),
+                                                      plain_steps_left=steps_left, **convert.verdict_fields(verdict))
+                    # A plain run: the next rounds need no block. Alone on this verifier, they run back to
+                    # back on the model thread (``_solo_run``); beside other sessions, each is a job of the
+                    # batched passes, started as the verdict before it goes out.
+                    round_number = block.round
+                    while steps_left:
+                        if cancelled.is_set():
+                            raise SessionCancelled("session cancelled")
+                        if len(self.sessions) == 1:
+                            await _settle(ahead)
+                            ahead = None
+                            async for verdict, steps_left, started in self._solo_run(
+                                    session, steps_left, budget, lm, stop_ids, solo_stop):
+                                round_number += 1
+                                self._count(verdict, trace, round_number, started)
+                                yield verifier_pb2.VerifyResponse(
+                                    round=round_number, service_time_us=_us_since(started),
+                                    plain_steps_left=steps_left, **convert.verdict_fields(verdict))
+                                if cancelled.is_set():
+                                    raise SessionCancelled("session cancelled")
+                            continue
+                        received = time.perf_counter()
+                        round_number += 1
+                        verdict, ahead = await self._round(session, DraftProposal(), ahead, budget, lm, trace,
+                                                           round_number, received)
+                        steps_left = self._run_left(session, verdict, steps_left - 1, budget, lm, stop_ids)
+                        if steps_left:
+                            ahead = ahead or self._start_ahead(session, verdict, budget, lm, run=True)
+                        yield verifier_pb2.VerifyResponse(round=round_number, service_time_us=_us_since(received),
+                                                          plain_steps_left=steps_left, **convert.verdict_fields(verdict))
                 else:
                     raise FieldError("kind", "set start or block")
         except BaseException as exc:
@@ -139,6 +163,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                 trace.fail(exc)
             raise
         finally:
+            solo_stop.set()  # a solo run stops after its current pass (the close below queues behind it)
             if ahead is not None:  # skipped unless its pass already started (the close waits for that pass)
                 ahead.cancel()
             # Normal end, client cancel, deadline or error: the KV cache goes with the stream.
@@ -146,6 +171,74 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                 self.sessions.close(key)
             if trace is not None:
                 trace.end()
+
+    async def _round(self, session: TargetSession, proposal: DraftProposal, ahead: asyncio.Task | None,
+                     budget: int, lm: LoadedModel, trace, round_number: int,
+                     received: float) -> tuple[Verdict, asyncio.Task | None]:
+        """Verify one block (a plain run's rounds: an empty one) after the session's ahead pass, if
+        any, settled; the verdict, and the next ahead pass (after a plain round)."""
+        ahead_batch = await _settle(ahead)
+        if session.needs_pass(proposal):
+            verdict = await self._verify(session, proposal, len(proposal) + (0 if session.has_ahead else 1))
+        else:  # a plain round whose pending token was fed ahead: no pass
+            verdict = dataclasses.replace(session.commit(proposal, None), batch=ahead_batch)
+        self._count(verdict, trace, round_number, received)
+        return verdict, self._start_ahead(session, verdict, budget, lm)
+
+    def _count(self, verdict: Verdict, trace, round_number: int, received: float) -> None:
+        """A round's verdict in the metrics and on the session's trace."""
+        self.metrics.tokens.inc(len(verdict.tokens))
+        self.metrics.draft_tokens.inc(verdict.num_drafts)
+        self.metrics.accepted_tokens.inc(verdict.num_accepted)
+        if trace is not None:
+            trace.step("verify", received, round=round_number, drafted=verdict.num_drafts,
+                       accepted=verdict.num_accepted, tokens=len(verdict.tokens),
+                       **_feature_attributes(verdict), **verdict.batch.trace_attributes())
+
+    async def _solo_run(self, session: TargetSession, steps: int, budget: int, lm: LoadedModel,
+                        stop_ids: frozenset[int], stop: threading.Event):
+        """A plain run's rounds back to back on the model thread, as one-session decoding runs them:
+        each pass starts as soon as the one before it committed, without a trip through the event
+        loop (what that trip costs, against the pass, is what a session decoding alone feels). Yields
+        ``(verdict, steps left, started)`` as they come. The thread stops once the run is done, once
+        another session opens (the rest goes through the batched passes, which it then shares), or
+        once ``stop`` is set (the stream ended)."""
+        loop = asyncio.get_running_loop()
+        verdicts: asyncio.Queue = asyncio.Queue()
+
+        def emit(item) -> None:
+            loop.call_soon_threadsafe(verdicts.put_nowait, item)
+
+        def run() -> None:
+            left = steps
+            try:
+                while left and not stop.is_set() and len(self.sessions) == 1:
+                    started = time.perf_counter()
+                    verdict = session.verify(DraftProposal())
+                    info = BatchInfo(1, 1, 0.0, time.perf_counter() - started)
+                    self._observe_pass(info.size, info.num_tokens, info.pass_s)
+                    left = self._run_left(session, verdict, left - 1, budget, lm, stop_ids)
+                    emit((dataclasses.replace(verdict, batch=info), left, started))
+            except Exception as exc:  # noqa: BLE001 - the stream's error, raised where it is read
+                emit(exc)
+            emit(None)
+
+        loop.run_in_executor(self.executor, run)
+        while (item := await verdicts.get()) is not None:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    @staticmethod
+    def _run_left(session: TargetSession, verdict: Verdict, steps: int, budget: int, lm: LoadedModel,
+                  stop_ids: frozenset[int]) -> int:
+        """How many plain-run verdicts follow this one: ``steps``, cut to the rounds the session's
+        max_new_tokens and the context leave (one token each), and 0 after a committed stop token
+        (the one end that cannot be told in advance)."""
+        if any(t in stop_ids for t in verdict.tokens):
+            return 0
+        length = len(session.tokens)
+        return max(0, min(steps, budget - length, lm.max_positions - 1 - length))
 
     async def _prefill(self, session: TargetSession) -> tuple[Verdict, int]:
         """The first token, and how many prompt chunks went ahead of it: while other sessions are
@@ -164,12 +257,13 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
         return await self._verify(session, DraftProposal(), len(session.tokens) - fed), chunks
 
     def _start_ahead(self, session: TargetSession, verdict: Verdict, budget: int,
-                     lm: LoadedModel) -> asyncio.Task | None:
+                     lm: LoadedModel, run: bool = False) -> asyncio.Task | None:
         """After a plain round (or the prefill), feed the pending token now (``PendingForward``): the
         next round feeds it whatever it drafts, and a plain round is likely followed by another (a
         session streaming features gets the pending token's from this pass). Not where no further
-        block can come."""
-        if (not self.verify_ahead or verdict.num_drafts > 0
+        block can come. ``run``: inside a plain run the next round is certain, so always (even after
+        a drafted round, and with verify-ahead off)."""
+        if ((not run and (not self.verify_ahead or verdict.num_drafts > 0))
                 or len(session.tokens) >= budget or len(session.tokens) + 1 >= lm.max_positions):
             return None
         return asyncio.ensure_future(self._batched(PendingForward(session), 1))

@@ -47,6 +47,7 @@ from specdec.bench.runners import (
     describe_error,
     encode,
 )
+from specdec.sampling import greedy_tokens
 
 log = logging.getLogger(__name__)
 
@@ -316,9 +317,7 @@ class LlamaCppRunner(Runner):
         starts = [request.kv.length for request in batch]
         try:
             logits = self.model.forward([request.kv for request in batch], list(feeds), list(reads))
-            # specdec.sampling.greedy_tokens' choice (the first maximal id below the vocabulary size) in
-            # numpy: torch's thread pool stays out of the loop, as it is out of llama.cpp's own
-            greedy = logits.numpy()[:, :self.lm.vocab_size].argmax(axis=1).tolist()
+            greedy = greedy_tokens(logits, self.lm.vocab_size).tolist()
         except Exception as exc:  # noqa: BLE001 - every request of the failed pass fails with it
             for request in batch:
                 self._finish(request, exc)

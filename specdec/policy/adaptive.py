@@ -327,6 +327,25 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         self._kind = "best"
         return best
 
+    def plain_run(self, limit: int) -> int:
+        """At k = 0 with no probe pending: the rounds before this policy would look again, counted as
+        ``choose`` counts them. Settled, the rounds before the next evaluation (``k0_recheck_every``);
+        otherwise those before the next probe falls due (``probe_interval``), which ``choose`` would
+        leave plain unless the plain rounds' own costs moved the best k, a move the next evaluation
+        after the run still sees."""
+        if self._kind != "zero" or self._shadow_pending or limit <= 0:
+            return 0
+        if self.rounds < self._recheck_at:
+            rounds = self._recheck_at - self.rounds - 1
+        else:
+            rounds = self.probe_interval - self.zero_run
+        rounds = min(limit, rounds)
+        if rounds <= 0:
+            return 0
+        self.rounds += rounds
+        self.zero_run += rounds
+        return rounds
+
     def observe(self, outcome: RoundObservation) -> None:
         k = max(0, int(outcome.num_drafts))
         n = max(0, min(int(outcome.num_accepted), k))

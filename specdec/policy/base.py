@@ -67,6 +67,13 @@ class DraftLengthPolicy(ABC):
         (``ConfidenceDraftLength`` weighs them against the round's cost; the others keep all)."""
         return len(acceptance_estimates)
 
+    def plain_run(self, limit: int) -> int:
+        """After a ``choose`` that returned 0: how many further rounds, at most ``limit``, will be plain
+        whatever they observe (a settled stretch before the next evaluation). The policy counts them
+        as chosen now; the loop then asks the verifier to decode them without a block each and calls
+        ``observe`` for each but not ``choose``. 0 (the default): choose round by round."""
+        return 0
+
     def expects_to_draft(self) -> bool:
         """Whether the first rounds will likely draft (k > 0), asked before prefill without changing
         anything: a drafter session that will not be needed soon can open later, so that its prefill

@@ -25,6 +25,10 @@ from specdec.costs import extend_curve
 from specdec.policy.base import DraftLengthPolicy, PolicyMemory, RoundObservation
 from specdec.policy.estimators import DecayedMean
 
+# After rounds without drafts, the longest plain run (rounds the verifier decodes without a block
+# each, and the drafter is not asked): a copy that begins meanwhile is drafted at most this late.
+IDLE_RUN_CAP = 8
+
 # This policy learns no acceptance (the drafter estimates its own); what it reports to the memory.
 NO_ACCEPTANCE = {"successes": 0.0, "trials": 0.0, "pos_successes": [], "pos_trials": []}
 
@@ -102,6 +106,7 @@ class ConfidenceDraftLength(DraftLengthPolicy):
         self.accepted_sum = 1.0
         self.expected_sum = 1.0
         self._expected_last = 0.0  # what the estimates of the prefix just chosen expect accepted
+        self.plain_streak = 0  # rounds in a row without drafts
         self._closed = False
 
     def close(self) -> None:
@@ -138,8 +143,14 @@ class ConfidenceDraftLength(DraftLengthPolicy):
         self._expected_last = sum(estimates[:best])
         return best
 
+    def plain_run(self, limit: int) -> int:
+        """After a round without drafts: half the rounds in a row that had none, up to
+        ``IDLE_RUN_CAP`` (text that has not repeated for a while likely goes on not repeating)."""
+        return max(0, min(limit, IDLE_RUN_CAP, self.plain_streak // 2))
+
     def observe(self, outcome: RoundObservation) -> None:
         k = max(0, int(outcome.num_drafts))
+        self.plain_streak = 0 if k > 0 else self.plain_streak + 1
         if outcome.batch_size > 0:
             decay = self.cost_decay
             self.co_batched = decay * self.co_batched + (1.0 - decay) * float(outcome.batch_size - 1)

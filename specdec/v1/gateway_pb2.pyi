@@ -73,7 +73,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("draft_method", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "per_position_acceptance", "ttft_s", "tokens_per_s", "k_history", "total_s", "draft_s", "verify_s", "ahead_blocks", "ahead_hits", "mean_batch_size", "verify_queue_wait_s", "shadow_probes", "shadow_accepted", "verify_service_s", "verify_pass_s", "round_costs", "feature_bytes", "feature_bytes_per_round", "drafter_closes")
+    __slots__ = ("draft_method", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "per_position_acceptance", "ttft_s", "tokens_per_s", "k_history", "total_s", "draft_s", "verify_s", "ahead_blocks", "ahead_hits", "mean_batch_size", "verify_queue_wait_s", "shadow_probes", "shadow_accepted", "verify_service_s", "verify_pass_s", "round_costs", "feature_bytes", "feature_bytes_per_round", "drafter_closes", "plain_runs", "plain_run_rounds")
     DRAFT_METHOD_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,8 @@ class GenerationStats(_message.Message):
     FEATURE_BYTES_FIELD_NUMBER: _ClassVar[int]
     FEATURE_BYTES_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_CLOSES_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_RUNS_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_RUN_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     draft_method: str
     rounds: int
     draft_tokens: int
@@ -124,7 +126,9 @@ class GenerationStats(_message.Message):
     feature_bytes: int
     feature_bytes_per_round: float
     drafter_closes: int
-    def __init__(self, draft_method: _Optional[str] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., per_position_acceptance: _Optional[_Iterable[float]] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., k_history: _Optional[_Iterable[int]] = ..., total_s: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., ahead_blocks: _Optional[int] = ..., ahead_hits: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., verify_queue_wait_s: _Optional[float] = ..., shadow_probes: _Optional[int] = ..., shadow_accepted: _Optional[int] = ..., verify_service_s: _Optional[float] = ..., verify_pass_s: _Optional[float] = ..., round_costs: _Optional[_Iterable[_Union[RoundCost, _Mapping]]] = ..., feature_bytes: _Optional[int] = ..., feature_bytes_per_round: _Optional[float] = ..., drafter_closes: _Optional[int] = ...) -> None: ...
+    plain_runs: int
+    plain_run_rounds: int
+    def __init__(self, draft_method: _Optional[str] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., per_position_acceptance: _Optional[_Iterable[float]] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., k_history: _Optional[_Iterable[int]] = ..., total_s: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., ahead_blocks: _Optional[int] = ..., ahead_hits: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., verify_queue_wait_s: _Optional[float] = ..., shadow_probes: _Optional[int] = ..., shadow_accepted: _Optional[int] = ..., verify_service_s: _Optional[float] = ..., verify_pass_s: _Optional[float] = ..., round_costs: _Optional[_Iterable[_Union[RoundCost, _Mapping]]] = ..., feature_bytes: _Optional[int] = ..., feature_bytes_per_round: _Optional[float] = ..., drafter_closes: _Optional[int] = ..., plain_runs: _Optional[int] = ..., plain_run_rounds: _Optional[int] = ...) -> None: ...
 
 class RoundCost(_message.Message):
     __slots__ = ("num_drafts", "rounds", "verify_s", "steady_rounds", "steady_draft_s")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import types_pb2 as specdec_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\x1a\x16specdec/v1/types.proto\"k\n\rVerifyRequest\x12(\n\x05start\x18\x01 \x01(\x0b\x32\x17.specdec.v1.VerifyStartH\x00\x12(\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x17.specdec.v1.VerifyBlockH\x00\x42\x06\n\x04kind\"\x80\x01\n\x0bVerifyStart\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x15\n\rwant_features\x18\x04 \x01(\x08\"j\n\x0bVerifyBlock\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\r\x12\x33\n\x0b\x64raft_probs\x18\x03 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\"\x94\x02\n\x0eVerifyResponse\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x12\n\nnum_drafts\x18\x02 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x18\n\x10\x63ommitted_length\x18\x05 \x01(\x04\x12\x17\n\x0fservice_time_us\x18\x06 \x01(\x04\x12\x12\n\nbatch_size\x18\x07 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x08 \x01(\r\x12\x15\n\rqueue_wait_us\x18\t \x01(\x04\x12\x14\n\x0cpass_time_us\x18\n \x01(\x04\x12,\n\x08\x66\x65\x61tures\x18\x0b \x01(\x0b\x32\x1a.specdec.v1.TargetFeatures\"\x18\n\x16GetVerifierInfoRequest\"\x93\x01\n\x17GetVerifierInfoResponse\x12$\n\x05model\x18\x01 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.specdec.v1.LoadReport\x12\x16\n\x0e\x66orward_cost_s\x18\x03 \x03(\x02\x12\x14\n\x0c\x66\x65\x61ture_size\x18\x04 \x01(\r\")\n\x13\x43\x61ncelVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43\x61ncelVerifyResponse2\xf6\x01\n\x08Verifier\x12\x43\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse(\x01\x30\x01\x12R\n\x07GetInfo\x12\".specdec.v1.GetVerifierInfoRequest\x1a#.specdec.v1.GetVerifierInfoResponse\x12Q\n\x0c\x43\x61ncelVerify\x12\x1f.specdec.v1.CancelVerifyRequest\x1a .specdec.v1.CancelVerifyResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\x1a\x16specdec/v1/types.proto\"k\n\rVerifyRequest\x12(\n\x05start\x18\x01 \x01(\x0b\x32\x17.specdec.v1.VerifyStartH\x00\x12(\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x17.specdec.v1.VerifyBlockH\x00\x42\x06\n\x04kind\"\x80\x01\n\x0bVerifyStart\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x15\n\rwant_features\x18\x04 \x01(\x08\"\x7f\n\x0bVerifyBlock\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\r\x12\x33\n\x0b\x64raft_probs\x18\x03 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x13\n\x0bplain_steps\x18\x04 \x01(\r\"\xae\x02\n\x0eVerifyResponse\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x12\n\nnum_drafts\x18\x02 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x18\n\x10\x63ommitted_length\x18\x05 \x01(\x04\x12\x17\n\x0fservice_time_us\x18\x06 \x01(\x04\x12\x12\n\nbatch_size\x18\x07 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x08 \x01(\r\x12\x15\n\rqueue_wait_us\x18\t \x01(\x04\x12\x14\n\x0cpass_time_us\x18\n \x01(\x04\x12,\n\x08\x66\x65\x61tures\x18\x0b \x01(\x0b\x32\x1a.specdec.v1.TargetFeatures\x12\x18\n\x10plain_steps_left\x18\x0c \x01(\r\"\x18\n\x16GetVerifierInfoRequest\"\x93\x01\n\x17GetVerifierInfoResponse\x12$\n\x05model\x18\x01 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.specdec.v1.LoadReport\x12\x16\n\x0e\x66orward_cost_s\x18\x03 \x03(\x02\x12\x14\n\x0c\x66\x65\x61ture_size\x18\x04 \x01(\r\")\n\x13\x43\x61ncelVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43\x61ncelVerifyResponse2\xf6\x01\n\x08Verifier\x12\x43\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse(\x01\x30\x01\x12R\n\x07GetInfo\x12\".specdec.v1.GetVerifierInfoRequest\x1a#.specdec.v1.GetVerifierInfoResponse\x12Q\n\x0c\x43\x61ncelVerify\x12\x1f.specdec.v1.CancelVerifyRequest\x1a .specdec.v1.CancelVerifyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,17 +37,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFYSTART']._serialized_start=175
   _globals['_VERIFYSTART']._serialized_end=303
   _globals['_VERIFYBLOCK']._serialized_start=305
-  _globals['_VERIFYBLOCK']._serialized_end=411
-  _globals['_VERIFYRESPONSE']._serialized_start=414
-  _globals['_VERIFYRESPONSE']._serialized_end=690
-  _globals['_GETVERIFIERINFOREQUEST']._serialized_start=692
-  _globals['_GETVERIFIERINFOREQUEST']._serialized_end=716
-  _globals['_GETVERIFIERINFORESPONSE']._serialized_start=719
-  _globals['_GETVERIFIERINFORESPONSE']._serialized_end=866
-  _globals['_CANCELVERIFYREQUEST']._serialized_start=868
-  _globals['_CANCELVERIFYREQUEST']._serialized_end=909
-  _globals['_CANCELVERIFYRESPONSE']._serialized_start=911
-  _globals['_CANCELVERIFYRESPONSE']._serialized_end=933
-  _globals['_VERIFIER']._serialized_start=936
-  _globals['_VERIFIER']._serialized_end=1182
+  _globals['_VERIFYBLOCK']._serialized_end=432
+  _globals['_VERIFYRESPONSE']._serialized_start=435
+  _globals['_VERIFYRESPONSE']._serialized_end=737
+  _globals['_GETVERIFIERINFOREQUEST']._serialized_start=739
+  _globals['_GETVERIFIERINFOREQUEST']._serialized_end=763
+  _globals['_GETVERIFIERINFORESPONSE']._serialized_start=766
+  _globals['_GETVERIFIERINFORESPONSE']._serialized_end=913
+  _globals['_CANCELVERIFYREQUEST']._serialized_start=915
+  _globals['_CANCELVERIFYREQUEST']._serialized_end=956
+  _globals['_CANCELVERIFYRESPONSE']._serialized_start=958
+  _globals['_CANCELVERIFYRESPONSE']._serialized_end=980
+  _globals['_VERIFIER']._serialized_start=983
+  _globals['_VERIFIER']._serialized_end=1229
 # @@protoc_insertion_point(module_scope)

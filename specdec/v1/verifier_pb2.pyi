@@ -28,17 +28,19 @@ class VerifyStart(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., want_features: _Optional[bool] = ...) -> None: ...
 
 class VerifyBlock(_message.Message):
-    __slots__ = ("round", "draft_token_ids", "draft_probs")
+    __slots__ = ("round", "draft_token_ids", "draft_probs", "plain_steps")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
     round: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[_types_pb2.SparseDistribution]
-    def __init__(self, round: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_types_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
+    plain_steps: int
+    def __init__(self, round: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_types_pb2.SparseDistribution, _Mapping]]] = ..., plain_steps: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("round", "num_drafts", "num_accepted", "token_ids", "committed_length", "service_time_us", "batch_size", "batch_tokens", "queue_wait_us", "pass_time_us", "features")
+    __slots__ = ("round", "num_drafts", "num_accepted", "token_ids", "committed_length", "service_time_us", "batch_size", "batch_tokens", "queue_wait_us", "pass_time_us", "features", "plain_steps_left")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +52,7 @@ class VerifyResponse(_message.Message):
     QUEUE_WAIT_US_FIELD_NUMBER: _ClassVar[int]
     PASS_TIME_US_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_STEPS_LEFT_FIELD_NUMBER: _ClassVar[int]
     round: int
     num_drafts: int
     num_accepted: int
@@ -61,7 +64,8 @@ class VerifyResponse(_message.Message):
     queue_wait_us: int
     pass_time_us: int
     features: _types_pb2.TargetFeatures
-    def __init__(self, round: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., service_time_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., queue_wait_us: _Optional[int] = ..., pass_time_us: _Optional[int] = ..., features: _Optional[_Union[_types_pb2.TargetFeatures, _Mapping]] = ...) -> None: ...
+    plain_steps_left: int
+    def __init__(self, round: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., service_time_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., queue_wait_us: _Optional[int] = ..., pass_time_us: _Optional[int] = ..., features: _Optional[_Union[_types_pb2.TargetFeatures, _Mapping]] = ..., plain_steps_left: _Optional[int] = ...) -> None: ...
 
 class GetVerifierInfoRequest(_message.Message):
     __slots__ = ()
