@@ -59,6 +59,7 @@ class LocalEngine:
                 policy=policy,
                 draft_method=self.drafter.name if self.drafter else "none",
                 max_context=self.target.max_positions,
+                plain_runs=False,  # in process a round costs no hop: nothing for a run to save
             )
             async for event in events:
                 yield event

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 
 import grpc
 import pytest
@@ -185,6 +186,30 @@ async def test_a_cancel_stops_a_run_and_frees_the_session(tiny_pair, tiny_target
             await asyncio.sleep(0.01)
         if other is not None:
             await other[0].done_writing()
+
+
+async def test_a_session_that_starts_during_a_solo_run_is_not_kept_waiting(tiny_pair, tiny_target, prompt,
+                                                                             monkeypatch):
+    """A solo run gives the model thread up as soon as another session's start waits for it."""
+    long_run = 100
+    plain_round = TargetSession.verify
+    solo_rounds = []
+
+    def slow_round(session, proposal):  # rounds that take a while, so the run would last about 2 s
+        solo_rounds.append(1)
+        time.sleep(0.02)
+        return plain_round(session, proposal)
+
+    async with _verifier(str(tiny_pair[1])) as (service, passes, stub):
+        monkeypatch.setattr(TargetSession, "verify", slow_round)
+        call, _ = await _start(stub, prompt, SamplingParams(max_new_tokens=long_run + 1, ignore_eos=True))
+        await call.write(verifier_pb2.VerifyRequest(block=verifier_pb2.VerifyBlock(round=1, plain_steps=long_run)))
+        for _ in range(3):
+            await call.read()
+        _, other_tokens = await _start(stub, prompt, SamplingParams(max_new_tokens=4), "newcomer")
+        assert len(other_tokens) == 1  # its prefill came back ...
+        assert len(solo_rounds) < long_run // 2, solo_rounds  # ... long before the solo run could have ended
+        call.cancel()
 
 
 @pytest.fixture(scope="module")

@@ -201,8 +201,9 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
         each pass starts as soon as the one before it committed, without a trip through the event
         loop (what that trip costs, against the pass, is what a session decoding alone feels). Yields
         ``(verdict, steps left, started)`` as they come. The thread stops once the run is done, once
-        another session opens (the rest goes through the batched passes, which it then shares), or
-        once ``stop`` is set (the stream ended)."""
+        anything else waits for the model thread (a session starting or closing) or another session
+        is open (the rest goes through the batched passes, which it then shares), or once ``stop`` is
+        set (the stream ended)."""
         loop = asyncio.get_running_loop()
         verdicts: asyncio.Queue = asyncio.Queue()
 
@@ -212,7 +213,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
         def run() -> None:
             left = steps
             try:
-                while left and not stop.is_set() and len(self.sessions) == 1:
+                while left and not stop.is_set() and len(self.sessions) == 1 and not self.executor.waiting:
                     started = time.perf_counter()
                     verdict = session.verify(DraftProposal())
                     info = BatchInfo(1, 1, 0.0, time.perf_counter() - started)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from specdec import telemetry
 from specdec.rpc.scheduler import BatchingOptions, BatchScheduler
@@ -24,6 +26,28 @@ def validate_session_id(session_id: str) -> None:
     """``FieldError`` naming ``session_id`` when it is longer than ``MAX_SESSION_ID_CHARS``."""
     if len(session_id) > MAX_SESSION_ID_CHARS:
         raise FieldError("session_id", f"{len(session_id)} characters exceed the limit of {MAX_SESSION_ID_CHARS}")
+
+
+class ModelThread(ThreadPoolExecutor):
+    """The one thread a service's model runs on; ``waiting`` counts the calls queued for it (a
+    session's start, a batched pass, a close), so that work which holds the thread for a while (a
+    solo plain run) can give it up as soon as anything else needs it."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__(max_workers=1, thread_name_prefix=f"{role}-model")
+        self._lock = threading.Lock()
+        self.waiting = 0
+
+    def submit(self, fn, /, *args, **kwargs):
+        with self._lock:
+            self.waiting += 1
+
+        def started():
+            with self._lock:
+                self.waiting -= 1
+            return fn(*args, **kwargs)
+
+        return super().submit(started)
 
 
 class SessionRegistry:
@@ -106,14 +130,12 @@ class ModelWorkerService:
     def __init__(self, runtime, max_sessions: int = 64, max_draft_tokens: int = 32,
                  idle_timeout_s: float | None = 300.0, batching: BatchingOptions | None = None,
                  max_sessions_per_peer: int | None = None) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
         self.runtime = runtime
         self.idle_timeout_s = idle_timeout_s
         self.max_draft_tokens = max_draft_tokens
         # Prometheus series on the service's registry, and OTel instruments when a meter is installed.
         self.metrics = ServiceMetrics(runtime.registry, self.role, telemetry.current())
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-model")
+        self.executor = ModelThread(self.role)
         # A session's KV cache is freed on the model thread, after any pass that is using it.
         self.sessions = SessionRegistry(max_sessions, self.metrics,
                                         release=lambda session: self.executor.submit(session.close),
