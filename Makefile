@@ -34,7 +34,7 @@ test: setup
 
 # The inner loop: the unit tier (tests/conftest.py's UNIT_MODULES), no services, no embedded model.
 test-fast: setup
-	$(PY) -m pytest -q -p no:cacheprovider -m "not services and not embedded" $(PARALLEL)
+	$(PY) -m pytest -q -p no:cacheprovider -m "unit and not embedded" $(PARALLEL)
 
 demo: setup
 	$(PY) -m specdec.demo

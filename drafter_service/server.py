@@ -11,7 +11,7 @@ from specdec.drafters import ModelDrafter
 from specdec.drafting import Drafter, DraftSession, NgramDrafter
 from specdec.eagle.drafter import EagleDrafter
 from specdec.eagle.target_rows import read_target
-from specdec.lm import model_threads
+from specdec.lm import keep_torch_to_one_thread, model_threads
 from specdec.models import EMBEDDED_DRAFT, EMBEDDED_TARGET, LoadedModel, default_eagle_head, load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.replay import REPLAY_WIRE_METHOD, ReplayDrafter
 from specdec.rpc import convert
@@ -57,6 +57,7 @@ class DrafterService(ModelWorkerService, drafter_pb2_grpc.DrafterServicer):
             self.lm = await loop.run_in_executor(self.executor,
                                                  lambda: load_model(draft_model, device=device, sessions=sessions))
             self.fit_sessions_to(self.lm)
+            await loop.run_in_executor(self.executor, keep_torch_to_one_thread, self.lm)
             self.drafter = ModelDrafter(self.lm)
         elif method in ("ngram", "suffix", "replay"):
             if draft_model:  # only the tokenizer: it identifies the vocabulary for the gateway's pairing check

@@ -30,8 +30,7 @@ done
 
 step exactness tests on CUDA
 SPECDEC_TEST_DEVICE=cuda SPECDEC_DTYPE=float32 timeout "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider \
-  --timeout 60 -m "not embedded" tests/test_greedy_equality.py tests/test_batching.py tests/test_distribution.py \
-  tests/test_static_kv.py tests/test_device_decisions.py -rA > "$OUT/gpu_tests_fp32.log" 2>&1
+  --timeout 60 -m "gpu and not embedded" -rA > "$OUT/gpu_tests_fp32.log" 2>&1
 echo "fp32 tests rc=$?"; grep -E "passed|failed" "$OUT/gpu_tests_fp32.log" | tail -3
 SPECDEC_TEST_DEVICE=cuda SPECDEC_DTYPE=bfloat16 timeout 45 python3 -m pytest -q -p no:cacheprovider --timeout 40 \
   tests/test_static_kv.py -k "batch_invariant_speculation" -rA > "$OUT/gpu_tests_bf16_invariant.log" 2>&1

@@ -196,6 +196,14 @@ def logits_to(logits: torch.Tensor, on_device: bool) -> torch.Tensor:
 
 
 
+def keep_torch_to_one_thread(lm: LoadedModel) -> None:
+    """On the gguf runtime llama.cpp's threads run the passes and torch only picks tokens (an argmax
+    or a softmax over a row): one torch thread, so that its pool never wakes beside llama.cpp's
+    threads. Call it on the model thread (OpenMP keeps the count per thread)."""
+    if lm.gguf is not None:
+        torch.set_num_threads(1)
+
+
 def model_threads(lm: LoadedModel | None) -> int:
     """CPU threads a service's model passes run on: llama.cpp's on the gguf runtime, else torch's
     (``serve --threads``; torch's default). Call it on the model thread."""

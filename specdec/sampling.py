@@ -35,10 +35,6 @@ def mask_beyond_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def greedy_tokens(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The argmax of each row below ``vocab_size`` (the first maximal id). On a CPU, in numpy: torch's
-    argmax there wakes its intra-op thread pool, which competes with the next pass's threads."""
-    if logits.device.type == "cpu":
-        return torch.from_numpy(np.asarray(logits[..., :vocab_size].float().numpy().argmax(axis=-1)))
     return mask_beyond_vocab(logits.float(), vocab_size).argmax(dim=-1)
 
 

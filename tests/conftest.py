@@ -23,10 +23,19 @@ UNIT_MODULES = frozenset({
 })
 
 
+# The GPU tier (``-m gpu``; scripts/gpu_sweep.sh runs it with SPECDEC_TEST_DEVICE=cuda): the exactness
+# tests whose models run on TEST_DEVICE, so that on a GPU they check the CUDA passes (static KV, graphs).
+GPU_MODULES = frozenset({
+    "test_greedy_equality", "test_batching", "test_distribution", "test_static_kv", "test_device_decisions",
+})
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.module.__name__.rsplit(".", 1)[-1] not in UNIT_MODULES:
-            item.add_marker(pytest.mark.services)
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        item.add_marker(pytest.mark.unit if module in UNIT_MODULES else pytest.mark.services)
+        if module in GPU_MODULES:
+            item.add_marker(pytest.mark.gpu)
 
 
 @pytest.fixture(scope="session")

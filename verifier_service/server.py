@@ -10,7 +10,7 @@ import time
 
 from specdec import telemetry
 from specdec.costs import measure_forward_curve
-from specdec.lm import model_threads
+from specdec.lm import keep_torch_to_one_thread, model_threads
 from specdec.models import MAX_VOCAB_PADDING, LoadedModel, load_model
 from specdec.rpc import convert
 from specdec.rpc.server import NotReady, SessionCancelled, idle_guard, ServiceRuntime, map_errors, map_unary_errors
@@ -45,6 +45,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
         self.lm = await loop.run_in_executor(self.executor,
                                              lambda: load_model(target, device=device, sessions=sessions))
         self.fit_sessions_to(self.lm)
+        await loop.run_in_executor(self.executor, keep_torch_to_one_thread, self.lm)
         await loop.run_in_executor(self.executor, self._warm_up)
         await self.runtime.set_serving(True)
         log.info("verifier serving %s threads=%d", target, await self._run(model_threads, self.lm))
