@@ -16,35 +16,22 @@ import pytest
 
 from specdec.client import GatewayClient
 from specdec.rpc import convert
-from specdec.rpc.server import ServeOptions, ServiceRuntime
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 from specdec.wire_types import SamplingParams
-from tests.harness import free_port, start_stack
+from tests.harness import start_stack
 from tests.test_services import reference_greedy
+from tests.test_verify_ahead import serve_recording_verifier
 from specdec.verification import TargetSession
-from verifier_service.server import SERVICE_NAME, VerifierService
 
 NEW_TOKENS = 14
 
 
 @contextlib.asynccontextmanager
 async def _verifier(target: str):
-    """An in-process verifier whose passes are recorded (each pass's job kinds)."""
-    runtime = ServiceRuntime(SERVICE_NAME, ServeOptions(port=free_port()))
-    service = VerifierService(runtime)
-    passes: list[list[str]] = []
-    run_batch = service.batcher.run_batch
-
-    def recorded(jobs):
-        passes.append([type(job).__name__ if not isinstance(job, tuple) else f"verify:{len(job[1])}" for job in jobs])
-        return run_batch(jobs)
-
-    service.batcher.run_batch = recorded
-    verifier_pb2_grpc.add_VerifierServicer_to_server(service, runtime.server)
-    port = await runtime.start()
-    await service.load(target, device="cpu")
+    """An in-process verifier whose passes are recorded (each pass's job kinds), and a stub to it."""
+    runtime, service, passes, address = await serve_recording_verifier(target)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with grpc.aio.insecure_channel(address) as channel:
             yield service, passes, verifier_pb2_grpc.VerifierStub(channel)
     finally:
         await runtime.server.stop(0)

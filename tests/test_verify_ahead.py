@@ -20,7 +20,7 @@ from verifier_service.server import SERVICE_NAME, VerifierService
 NEW_TOKENS = 14
 
 
-async def _serve(target: str, verify_ahead: bool):
+async def serve_recording_verifier(target: str, verify_ahead: bool = True):
     """An in-process verifier whose passes are recorded: one list of job kinds per pass, and the
     tokens each pass fed."""
     runtime = ServiceRuntime(SERVICE_NAME, ServeOptions(port=free_port()))
@@ -45,7 +45,7 @@ async def _session(tiny_pair, tiny_target, text: str, verify_ahead: bool):
     (the call, the prefill's tokens, the passes, the target's own greedy continuation)."""
     prompt = tiny_target.tokenizer(text)["input_ids"]
     reference = reference_greedy(tiny_target, prompt, NEW_TOKENS)
-    runtime, service, passes, address = await _serve(str(tiny_pair[1]), verify_ahead=verify_ahead)
+    runtime, service, passes, address = await serve_recording_verifier(str(tiny_pair[1]), verify_ahead=verify_ahead)
     try:
         async with grpc.aio.insecure_channel(address) as channel:
             call = verifier_pb2_grpc.VerifierStub(channel).Verify()
