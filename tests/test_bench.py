@@ -274,6 +274,12 @@ def test_compute_bound_borrows_draft_costs_and_counts_prefill():
     assert out["bound"] == pytest.approx(max(c["speedup"] for c in out["curve"]))
     assert out["bound"] < out["bound_decoding"] or out["best_k"] == 0
     assert out["measured"] == pytest.approx(1.0) and out["measured_over_bound"] == pytest.approx(1.0 / out["bound"])
+    assert "selective_note" not in out  # a model drafter: the bound applies
+    # A system that drafted mostly with suffix (which drafts only where it is confident) gets the note.
+    summaries["spec@a=0.5"]["draft_method_counts"] = {"suffix": 5, "model": 1}
+    out = bench_bound.compute_bound(args, summaries, records, _Models(curve), reference="spec@a=0.5",
+                                    with_roofline=False)
+    assert "overstates" in out["selective_note"]
 
 
 def test_k0_rounds_against_plain_per_system():

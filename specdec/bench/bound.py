@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 
 from specdec.bench.metrics import RequestRecord, bound_acceptance, ratio, spec_reference
-from specdec.bench.runners import describe_error
+from specdec.bench.runners import SUFFIX_METHOD, describe_error
 from specdec.bench.teacher_forced import teacher_forced_acceptance
 from specdec.costs import FORWARD_CURVE_PREFIX, extend_curve, isotonic, measure_forward_curve, weighted_line
 from specdec.speedup import speedup_bound_from_rounds
@@ -332,6 +332,13 @@ def compute_bound(args, summaries: dict, all_records: dict, models, reference: s
             out["roofline"] = memory_roofline(models.target(), forward[0] if forward else None)
     except Exception as exc:  # noqa: BLE001 - no local target: no roofline
         out["roofline"] = {"note": describe_error(exc)}
+    counts = s.get("draft_method_counts") or {}
+    if counts.get(SUFFIX_METHOD, 0) * 2 > sum(counts.values()):
+        # Suffix drafts only the rounds it is confident about: their acceptance taken as every round's
+        # bounds no policy that could be run.
+        out["selective_note"] = (f"{ref} drafted mostly with {SUFFIX_METHOD}, which drafts only where it is confident: "
+                                 "the bound takes those rounds' acceptance as every round's, so it overstates what "
+                                 "any policy could reach, and measured / bound understates the loop")
     if base is not None and summaries[base].get("tokens_per_s"):
         measured = ratio(summaries[ref]["tokens_per_s"], summaries[base]["tokens_per_s"])
         out.update({"measured": measured, "measured_pair": [ref, base],

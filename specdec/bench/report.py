@@ -154,6 +154,8 @@ def render_report(summary: dict) -> str:
             pair = bound["measured_pair"]
             lines.append(f"- measured = {pair[0]} tok/s ÷ {pair[1]} tok/s = {fmt(bound['measured'], digits=3)}×; "
                          f"measured / bound = **{fmt(bound['measured_over_bound'], digits=3)}**")
+            if bound.get("selective_note"):
+                lines.append(f"- {bound['selective_note']}")
         forward = bound.get("target_forward_s") or []
         measured = bound.get("measured_rounds") or {}
         lines += ["", "| k | rounds measured | verify (ms) | draft (ms) | t_round(k) (ms) | target forward, k + 1 tokens (ms) "
