@@ -187,6 +187,7 @@ class RemoteVerifier:
         else:
             block = verifier_pb2.VerifyBlock(round=self.round, plain_steps=plain_steps,
                                              **convert.proposal_fields(proposal))
+            self.run_left = plain_steps  # owed from the write on: a close before the verdict cancels the run
             await _write(self.call, verifier_pb2.VerifyRequest(block=block), self.net_delay_s)
             verdict, service_s = await self._verdict(plain_steps)
         # A run's round was under way in the verifier before this wait began (its pass starts as the

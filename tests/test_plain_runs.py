@@ -16,6 +16,7 @@ import pytest
 
 from specdec.client import GatewayClient
 from specdec.rpc import convert
+from specdec.rpc.sessions import ModelThread
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 from specdec.wire_types import SamplingParams
 from tests.harness import start_stack
@@ -197,6 +198,32 @@ async def test_a_session_that_starts_during_a_solo_run_is_not_kept_waiting(tiny_
         assert len(other_tokens) == 1  # its prefill came back ...
         assert len(solo_rounds) < long_run // 2, solo_rounds  # ... long before the solo run could have ended
         call.cancel()
+
+
+def test_the_model_thread_counts_the_calls_waiting_for_it_and_a_cancelled_one_leaves():
+    """What a solo run asks before each round: a call queued behind it counts until it starts, or
+    until it is cancelled without starting (else the run would give way for ever)."""
+    thread = ModelThread("test")
+    running, release = threading.Event(), threading.Event()
+
+    def busy():
+        running.set()
+        release.wait(10)
+
+    try:
+        thread.submit(busy)
+        assert running.wait(10)
+        assert thread.waiting == 0  # the running call is not waiting
+        queued = [thread.submit(lambda: None) for _ in range(2)]
+        assert thread.waiting == 2
+        assert queued[0].cancel()
+        assert thread.waiting == 1
+        release.set()
+        queued[1].result(10)
+        assert thread.waiting == 0
+    finally:
+        release.set()
+        thread.shutdown(wait=True)
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,10 @@ log = logging.getLogger("specdec.verifier")
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 FORWARD_CURVE_MAX_DRAFTS = 16  # the start-up timing covers k = 0..16 (the policy extends it beyond)
 FORWARD_CURVE_REPS = 3
+# A solo run computes at most this many verdicts ahead of the handler that sends them: the work a
+# stream that ends (a stop string, a cancel) leaves behind stays small, and a verdict's service time
+# holds no long wait in a queue.
+SOLO_RUN_LEAD = 4
 
 
 class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
@@ -132,14 +136,17 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                     # back on the model thread (``_solo_run``); beside other sessions, each is a job of the
                     # batched passes, started as the verdict before it goes out.
                     round_number = block.round
+                    solo_gave_way = False  # the last solo run decoded nothing (the model thread was wanted)
                     while steps_left:
                         if cancelled.is_set():
                             raise SessionCancelled("session cancelled")
-                        if len(self.sessions) == 1:
+                        if len(self.sessions) == 1 and not solo_gave_way:
                             await _settle(ahead)
                             ahead = None
+                            solo_gave_way = True  # unless it decodes a round: then the next round goes solo again
                             async for verdict, steps_left, started in self._solo_run(
                                     session, steps_left, budget, lm, stop_ids, solo_stop):
+                                solo_gave_way = False
                                 round_number += 1
                                 self._count(verdict, trace, round_number, started)
                                 yield verifier_pb2.VerifyResponse(
@@ -148,6 +155,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                                 if cancelled.is_set():
                                     raise SessionCancelled("session cancelled")
                             continue
+                        solo_gave_way = False
                         received = time.perf_counter()
                         round_number += 1
                         verdict, ahead = await self._round(session, DraftProposal(), ahead, budget, lm, trace,
@@ -207,29 +215,40 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
         set (the stream ended)."""
         loop = asyncio.get_running_loop()
         verdicts: asyncio.Queue = asyncio.Queue()
+        lead = threading.Semaphore(SOLO_RUN_LEAD)  # verdicts computed but not yet sent
 
         def emit(item) -> None:
             loop.call_soon_threadsafe(verdicts.put_nowait, item)
 
+        def may_go_on() -> bool:
+            while not lead.acquire(timeout=0.05):  # the stream is that far behind: wait for it
+                if stop.is_set():
+                    return False
+            return not stop.is_set() and len(self.sessions) == 1 and not self.executor.waiting
+
         def run() -> None:
             left = steps
             try:
-                while left and not stop.is_set() and len(self.sessions) == 1 and not self.executor.waiting:
+                while left and may_go_on():
                     started = time.perf_counter()
+                    passed = session.needs_pass(DraftProposal())  # not the first round after an ahead pass
                     verdict = session.verify(DraftProposal())
-                    info = BatchInfo(1, 1, 0.0, time.perf_counter() - started)
-                    self._observe_pass(info.size, info.num_tokens, info.pass_s)
+                    info = BatchInfo(1, 1, 0.0, time.perf_counter() - started if passed else 0.0)
+                    if passed:
+                        self._observe_pass(info.size, info.num_tokens, info.pass_s)
                     left = self._run_left(session, verdict, left - 1, budget, lm, stop_ids)
                     emit((dataclasses.replace(verdict, batch=info), left, started))
             except Exception as exc:  # noqa: BLE001 - the stream's error, raised where it is read
                 emit(exc)
-            emit(None)
+            finally:
+                emit(None)
 
         loop.run_in_executor(self.executor, run)
         while (item := await verdicts.get()) is not None:
             if isinstance(item, Exception):
                 raise item
             yield item
+            lead.release()
 
     @staticmethod
     def _run_left(session: TargetSession, verdict: Verdict, steps: int, budget: int, lm: LoadedModel,
@@ -240,7 +259,7 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
         if any(t in stop_ids for t in verdict.tokens):
             return 0
         length = len(session.tokens)
-        return max(0, min(steps, budget - length, lm.max_positions - 1 - length))
+        return max(0, min(steps, budget - length, lm.max_positions - length))
 
     async def _prefill(self, session: TargetSession) -> tuple[Verdict, int]:
         """The first token, and how many prompt chunks went ahead of it: while other sessions are

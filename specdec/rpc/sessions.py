@@ -39,15 +39,27 @@ class ModelThread(ThreadPoolExecutor):
         self.waiting = 0
 
     def submit(self, fn, /, *args, **kwargs):
-        with self._lock:
-            self.waiting += 1
+        queued = [True]
+
+        def leave() -> None:  # once per call: when it starts, or when it ends without starting (cancelled)
+            with self._lock:
+                if queued[0]:
+                    queued[0] = False
+                    self.waiting -= 1
 
         def started():
-            with self._lock:
-                self.waiting -= 1
+            leave()
             return fn(*args, **kwargs)
 
-        return super().submit(started)
+        with self._lock:
+            self.waiting += 1
+        try:
+            future = super().submit(started)
+        except BaseException:
+            leave()
+            raise
+        future.add_done_callback(lambda _: leave())
+        return future
 
 
 class SessionRegistry:
