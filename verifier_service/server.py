@@ -119,19 +119,15 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                         trace.step("prefill", received, prompt_tokens=len(prompt), tokens=len(verdict.tokens),
                                    prefill_chunks=chunks, **_feature_attributes(verdict), **verdict.batch.trace_attributes())
                     ahead = self._start_ahead(session, verdict, budget, lm)
-                    yield verifier_pb2.VerifyResponse(round=0, service_time_us=_us_since(received),
-                                                      **convert.verdict_fields(verdict))
+                    yield _response(verdict, 0, received, 0)
                 elif kind == "block":
                     if session is None:
                         raise FieldError("block", "send start first")
                     block = request.block
                     proposal = self._validate_block(block, session, lm, budget)
-                    verdict, ahead = await self._round(session, proposal, ahead, budget, lm, trace, block.round, received)
-                    steps_left = self._run_left(session, verdict, block.plain_steps, budget, lm, stop_ids)
-                    if steps_left:
-                        ahead = ahead or self._start_ahead(session, verdict, budget, lm, run=True)
-                    yield verifier_pb2.VerifyResponse(round=block.round, service_time_us=_us_since(received),
-                                                      plain_steps_left=steps_left, **convert.verdict_fields(verdict))
+                    verdict, steps_left, ahead = await self._round(session, proposal, block.plain_steps, ahead,
+                                                                   budget, lm, stop_ids, trace, block.round, received)
+                    yield _response(verdict, block.round, received, steps_left)
                     # A plain run: the next rounds need no block. Alone on this verifier, they run back to
                     # back on the model thread (``_solo_run``); beside other sessions, each is a job of the
                     # batched passes, started as the verdict before it goes out.
@@ -149,22 +145,16 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
                                 solo_gave_way = False
                                 round_number += 1
                                 self._count(verdict, trace, round_number, started)
-                                yield verifier_pb2.VerifyResponse(
-                                    round=round_number, service_time_us=_us_since(started),
-                                    plain_steps_left=steps_left, **convert.verdict_fields(verdict))
+                                yield _response(verdict, round_number, started, steps_left)
                                 if cancelled.is_set():
                                     raise SessionCancelled("session cancelled")
                             continue
                         solo_gave_way = False
                         received = time.perf_counter()
                         round_number += 1
-                        verdict, ahead = await self._round(session, DraftProposal(), ahead, budget, lm, trace,
-                                                           round_number, received)
-                        steps_left = self._run_left(session, verdict, steps_left - 1, budget, lm, stop_ids)
-                        if steps_left:
-                            ahead = ahead or self._start_ahead(session, verdict, budget, lm, run=True)
-                        yield verifier_pb2.VerifyResponse(round=round_number, service_time_us=_us_since(received),
-                                                          plain_steps_left=steps_left, **convert.verdict_fields(verdict))
+                        verdict, steps_left, ahead = await self._round(session, DraftProposal(), steps_left - 1, ahead,
+                                                                       budget, lm, stop_ids, trace, round_number, received)
+                        yield _response(verdict, round_number, received, steps_left)
                 else:
                     raise FieldError("kind", "set start or block")
         except BaseException as exc:
@@ -181,18 +171,20 @@ class VerifierService(ModelWorkerService, verifier_pb2_grpc.VerifierServicer):
             if trace is not None:
                 trace.end()
 
-    async def _round(self, session: TargetSession, proposal: DraftProposal, ahead: asyncio.Task | None,
-                     budget: int, lm: LoadedModel, trace, round_number: int,
-                     received: float) -> tuple[Verdict, asyncio.Task | None]:
+    async def _round(self, session: TargetSession, proposal: DraftProposal, steps: int, ahead: asyncio.Task | None,
+                     budget: int, lm: LoadedModel, stop_ids: frozenset[int], trace, round_number: int,
+                     received: float) -> tuple[Verdict, int, asyncio.Task | None]:
         """Verify one block (a plain run's rounds: an empty one) after the session's ahead pass, if
-        any, settled; the verdict, and the next ahead pass (after a plain round)."""
+        any, settled, with ``steps`` plain rounds asked for after it: the verdict, the plain-run
+        verdicts that follow it (``_run_left``), and the next ahead pass."""
         ahead_batch = await _settle(ahead)
         if session.needs_pass(proposal):
             verdict = await self._verify(session, proposal, len(proposal) + (0 if session.has_ahead else 1))
         else:  # a plain round whose pending token was fed ahead: no pass
             verdict = dataclasses.replace(session.commit(proposal, None), batch=ahead_batch)
         self._count(verdict, trace, round_number, received)
-        return verdict, self._start_ahead(session, verdict, budget, lm)
+        steps_left = self._run_left(session, verdict, steps, budget, lm, stop_ids)
+        return verdict, steps_left, self._start_ahead(session, verdict, budget, lm, run=steps_left > 0)
 
     def _count(self, verdict: Verdict, trace, round_number: int, received: float) -> None:
         """A round's verdict in the metrics and on the session's trace."""
@@ -349,6 +341,12 @@ async def _settle(ahead: asyncio.Task | None) -> BatchInfo | None:
     except Exception:  # noqa: BLE001 - the verification redoes what the pass did not
         return None
     return BatchInfo(info.size, info.num_tokens, 0.0, min(info.pass_s, time.perf_counter() - started))
+
+
+def _response(verdict: Verdict, round_number: int, received: float, steps_left: int) -> verifier_pb2.VerifyResponse:
+    """A round's verdict on the wire (``received``: when the verifier started on the round)."""
+    return verifier_pb2.VerifyResponse(round=round_number, service_time_us=_us_since(received),
+                                       plain_steps_left=steps_left, **convert.verdict_fields(verdict))
 
 
 def _feature_attributes(verdict: Verdict) -> dict:

@@ -68,10 +68,11 @@ class DraftLengthPolicy(ABC):
         return len(acceptance_estimates)
 
     def plain_run(self, limit: int) -> int:
-        """After a ``choose`` that returned 0: how many further rounds, at most ``limit``, will be plain
-        whatever they observe (a settled stretch before the next evaluation). The policy counts them
-        as chosen now; the loop then asks the verifier to decode them without a block each and calls
-        ``observe`` for each but not ``choose``. 0 (the default): choose round by round."""
+        """Before a round that verifies no drafts (``choose`` returned 0, or the proposal came back
+        empty): how many further rounds, at most ``limit``, to leave plain without asking (a settled
+        stretch before the next evaluation). The policy counts them as chosen now; the loop then asks
+        the verifier to decode them without a block each and calls ``observe`` for each but not
+        ``choose``. 0 (the default): choose round by round."""
         return 0
 
     def expects_to_draft(self) -> bool:
